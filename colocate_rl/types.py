@@ -1,0 +1,115 @@
+"""The one batch contract between rollout and training.
+
+Every sequence is prompt + response in one right-padded row. Position t of every per-token
+tensor refers to token ``tokens[:, t]``: ``rollout_logprobs[:, t]`` is the sampler's
+log p(tokens[t] | tokens[:t]) and ``loss_mask[:, t]`` is True exactly on response tokens. Rows
+of one prompt (its ``n`` samples) are adjacent and share a ``group_ids`` value, so group
+statistics are reshapes, not gathers.
+
+Shapes: B = prompts × samples per prompt, T = longest prompt + response in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One prompt as it enters rollout: token ids plus what the reward needs to score it."""
+
+    prompt_ids: list[int]
+    label: str = ""  # ground truth for the reward function
+    prompt_text: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor  # [B, T] int64, prompt + response, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] bool, True on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True on response tokens
+    rollout_logprobs: torch.Tensor  # [B, T] float32, sampler logprob of tokens[:, t]; 0 off loss_mask
+    prompt_lens: torch.Tensor  # [B] int64
+    response_lens: torch.Tensor  # [B] int64
+    group_ids: torch.Tensor  # [B] int64, index of the prompt in this step; n adjacent rows share it
+    truncated: torch.Tensor  # [B] bool, stopped by max response length rather than EOS/stop
+    finish_reasons: list[str]  # [B] vLLM's finish reason ("stop", "length", ...)
+    responses: list[str]  # [B] decoded response text ("" when no tokenizer)
+    samples: list[Sample]  # [B] the prompt each row came from (repeated n times)
+    rewards: torch.Tensor | None = None  # [B] float32, filled by the reward phase
+    advantages: torch.Tensor | None = None  # [B] float32, filled by the advantage phase
+    routed_experts: torch.Tensor | None = None  # [B, T, layers, top_k] int16, MoE routing replay (GPU only)
+
+    def __post_init__(self) -> None:
+        b, t = self.tokens.shape
+        for f in ("attention_mask", "loss_mask", "rollout_logprobs"):
+            if getattr(self, f).shape != (b, t):
+                raise ValueError(f"RolloutBatch.{f} has shape {tuple(getattr(self, f).shape)}, expected {(b, t)}")
+        for f in ("prompt_lens", "response_lens", "group_ids", "truncated"):
+            if getattr(self, f).shape != (b,):
+                raise ValueError(f"RolloutBatch.{f} has shape {tuple(getattr(self, f).shape)}, expected {(b,)}")
+        for f in ("finish_reasons", "responses", "samples"):
+            if len(getattr(self, f)) != b:
+                raise ValueError(f"RolloutBatch.{f} has {len(getattr(self, f))} entries, expected {b}")
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n_per_group(self) -> int:
+        """Samples per prompt (all groups have the same size by construction)."""
+        return int(self.size // (int(self.group_ids.max()) + 1)) if self.size else 0
+
+    def select(self, rows: slice | torch.Tensor) -> "RolloutBatch":
+        """Rows of the batch (a micro-batch, say); columns are trimmed to the longest row kept."""
+        idx = torch.arange(self.size)[rows] if isinstance(rows, slice) else rows
+        keep_t = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v[idx]
+                if v.dim() >= 2:
+                    v = v[:, :keep_t]
+            elif isinstance(v, list):
+                v = [v[i] for i in idx.tolist()]
+            out[f.name] = v
+        return replace(self, **out)
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"], pad_id: int = 0) -> "RolloutBatch":
+        """Join batches row-wise (e.g. the outputs of several engines), re-padding to one T.
+
+        group_ids are renumbered so that groups stay distinct and adjacent.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        t = max(b.tokens.shape[1] for b in batches)
+        out: dict[str, Any] = {}
+        offset = 0
+        gids = []
+        for b in batches:
+            gids.append(b.group_ids + offset)
+            offset += int(b.group_ids.max()) + 1 if b.size else 0
+        out["group_ids"] = torch.cat(gids)
+        for f in fields(RolloutBatch):
+            if f.name == "group_ids":
+                continue
+            vals = [getattr(b, f.name) for b in batches]
+            if vals[0] is None:
+                out[f.name] = None
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif vals[0].dim() >= 2:
+                fill = pad_id if f.name == "tokens" else 0
+                out[f.name] = torch.cat(
+                    [torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, t - v.shape[1]), value=fill) for v in vals]
+                )
+            else:
+                out[f.name] = torch.cat(vals)
+        return RolloutBatch(**out)
