@@ -1,0 +1,119 @@
+"""Step metrics: one JSON line per step (flushed, so a crash loses nothing), wandb, a console line,
+and the run's plot (reward and accuracy by step, stacked seconds per phase)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+class PhaseTimer:
+    """``with timer("generate"): ...`` adds the seconds to ``time/generate``; order is kept for the plot."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, config: dict, wandb_project: str = "", wandb_mode: str = "disabled",
+                 run_name: str = ""):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._wandb = None
+        if wandb_mode == "auto":
+            wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name or self.run_dir.name, config=config,
+                                     dir=str(self.run_dir), mode=wandb_mode, reinit="finish_previous")
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _num(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _num(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def console_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step}/{total}", f"reward {m.get('reward/mean', float('nan')):.3f}"]
+    if "eval/accuracy" in m:
+        parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+    if "train_rollout_logprob_abs_diff" in m:
+        parts.append(f"lp diff {m['train_rollout_logprob_abs_diff']:.2e}")
+    if "rollout/tokens_per_s" in m:
+        parts.append(f"gen {m['rollout/tokens_per_s']:.0f} tok/s")
+    phases = {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"}
+    parts.append(f"{m.get('time/step', sum(phases.values())):.2f}s [" +
+                 " ".join(f"{k} {v:.2f}" for k, v in phases.items()) + "]")
+    return " | ".join(parts)
+
+
+def plot(metrics_path: Path, out_png: Path) -> Path | None:
+    """curves.png: reward and held-out accuracy by step (left), seconds per phase stacked (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read(metrics_path)
+    train = [r for r in rows if "reward/mean" in r]
+    if not train:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax1.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="reward (train)")
+    ev = [r for r in rows if "eval/accuracy" in r]
+    if ev:
+        ax1.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="accuracy (held-out)")
+    ax1.set_xlabel("step")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend()
+    ax1.set_title("reward and accuracy")
+    phases = [k for k in train[-1] if k.startswith("time/") and k != "time/step"]
+    steps = [r["step"] for r in train]
+    bottom = [0.0] * len(train)
+    for k in phases:
+        vals = [r.get(k, 0.0) for r in train]
+        ax2.bar(steps, vals, bottom=bottom, label=k[5:])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("seconds")
+    ax2.set_title("seconds per phase")
+    ax2.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,196 @@
+"""Advantages and the policy loss against hand-computed values on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from colocate_rl.algorithms import (
+    ADVANTAGES,
+    LOSS_AGG,
+    get_advantage_fn,
+    global_counts,
+    logprob_abs_diff,
+    policy_loss,
+)
+from colocate_rl.config import AlgorithmConfig
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_grpo_uses_population_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0], dtype=torch.float64)
+    adv = ADVANTAGES["grpo"](r, 3, 0.0)
+    # group 1: mean 1/3, population std sqrt(2/9); group 2: mean 2, std sqrt(8/3)
+    s1, s2 = math.sqrt(2 / 9), math.sqrt(8 / 3)
+    want = [2 / 3 / s1, -1 / 3 / s1, -1 / 3 / s1, -2 / s2, 0.0, 2 / s2]
+    torch.testing.assert_close(adv, torch.tensor(want, dtype=torch.float64))
+
+
+def test_grpo_equal_rewards_and_singleton_groups_give_zero():
+    assert torch.equal(ADVANTAGES["grpo"](torch.ones(4), 2, 1e-6), torch.zeros(4))
+    assert torch.equal(ADVANTAGES["grpo"](torch.tensor([3.0, -1.0]), 1, 1e-6), torch.zeros(2))
+
+
+def test_grpo_no_std():
+    adv = ADVANTAGES["grpo_no_std"](torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0]), 3, 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+
+
+def test_advantage_errors():
+    with pytest.raises(ValueError, match="groups of n=4"):
+        ADVANTAGES["grpo"](torch.zeros(6), 4, 1e-6)
+    with pytest.raises(ValueError, match="unknown advantage 'ppo': one of grpo, grpo_no_std"):
+        get_advantage_fn("ppo")
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def _cfg(**kw) -> AlgorithmConfig:
+    return AlgorithmConfig(**{"eps_low": 0.2, "eps_high": 0.3, "is_clamp": 0.0, **kw})
+
+
+def _one_token(logp: float, adv: float, old: float = 0.0, rollout: float | None = None, **kw):
+    t = lambda x: torch.tensor([[x]], dtype=torch.float64)  # noqa: E731
+    return policy_loss(
+        t(logp).requires_grad_(), t(old), t(old if rollout is None else rollout),
+        torch.tensor([adv], dtype=torch.float64), torch.tensor([[True]]), _cfg(**kw),
+    )
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, want_loss, clipped",
+    [
+        (1.1, +1.0, -1.1, False),  # inside the range: plain ratio·A
+        (1.5, +1.0, -1.3, True),  # A > 0 clipped at 1 + eps_high (0.3, not eps_low)
+        (0.5, +1.0, -0.5, False),  # A > 0 below the range: not clipped (pessimistic min)
+        (0.5, -1.0, +0.8, True),  # A < 0 clipped at 1 - eps_low
+        (1.5, -1.0, +1.5, False),  # A < 0 above the range: not clipped
+        (0.9, -2.0, +1.8, False),
+    ],
+)
+def test_asymmetric_clip(ratio, adv, want_loss, clipped):
+    loss, m = _one_token(math.log(ratio), adv)
+    assert loss.item() == pytest.approx(want_loss)
+    assert m["clip_frac"].item() == float(clipped)
+    loss.backward()
+
+
+def test_clipped_token_has_no_gradient():
+    logp = torch.tensor([[math.log(1.5), math.log(1.1)]], dtype=torch.float64, requires_grad=True)
+    z = torch.zeros(1, 2, dtype=torch.float64)
+    loss, m = policy_loss(logp, z, z, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool), _cfg())
+    loss.backward()
+    # token 0 is clipped (grad 0); token 1: d/dlogp of -r·A/2 = -r/2
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 / 2]], dtype=torch.float64))
+    assert m["clip_frac"].item() == 0.5
+
+
+def test_is_weight_clamped_when_gap_is_large():
+    # old - rollout = log 5: raw weight 5 > C = 2, so the loss is scaled by 2
+    loss, m = _one_token(0.0, 1.0, old=0.0, rollout=-math.log(5), is_clamp=2.0)
+    assert loss.item() == pytest.approx(-2.0)
+    assert m["is_weight_mean"].item() == pytest.approx(2.0)
+    assert m["is_weight_max"].item() == pytest.approx(5.0)
+    assert m["is_clamped_frac"].item() == 1.0
+    assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(math.log(5))
+    # a small gap is applied as is
+    loss, m = _one_token(0.0, 1.0, old=0.0, rollout=-math.log(1.25), is_clamp=2.0)
+    assert loss.item() == pytest.approx(-1.25)
+    assert m["is_clamped_frac"].item() == 0.0
+    # C = 0 disables the correction
+    loss, m = _one_token(0.0, 1.0, old=0.0, rollout=-math.log(5), is_clamp=0.0)
+    assert loss.item() == pytest.approx(-1.0)
+    assert m["is_weight_mean"].item() == 1.0 and m["is_clamped_frac"].item() == 0.0
+
+
+@pytest.mark.parametrize("kl_type, want", [("k1", 0.5), ("k3", math.exp(-0.5) + 0.5 - 1)])
+def test_kl_to_reference(kl_type, want):
+    logp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
+    z = torch.zeros(1, 1, dtype=torch.float64)
+    cfg = _cfg(kl_coef=0.1, kl_type=kl_type)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, m = policy_loss(logp, z, z, torch.zeros(1, dtype=torch.float64), mask, cfg, ref_logprobs=z - 0.5)
+    assert m["kl_ref"].item() == pytest.approx(want)
+    assert loss.item() == pytest.approx(0.1 * want)  # A = 0: the KL term alone
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        policy_loss(logp, z, z, torch.zeros(1, dtype=torch.float64), mask, cfg)
+
+
+def test_metrics_approx_kl_entropy_and_masked_garbage():
+    logp = torch.tensor([[math.log(1.2), 0.0, 1e4]])  # last position is off the mask and absurd
+    z = torch.zeros(1, 3)
+    mask = torch.tensor([[True, True, False]])
+    ent = torch.tensor([[1.0, 3.0, 100.0]])
+    loss, m = policy_loss(logp, z, z, torch.tensor([1.0]), mask, _cfg(), entropy=ent)
+    assert torch.isfinite(loss)
+    assert loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
+    assert m["approx_kl"].item() == pytest.approx((0.2 - math.log(1.2)) / 2, rel=1e-5)
+    assert m["entropy"].item() == pytest.approx(2.0)
+    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+
+
+def test_logprob_abs_diff():
+    a = torch.tensor([[0.0, -1.0, 5.0], [-2.0, 0.0, 0.0]])
+    b = torch.tensor([[0.5, -1.5, 0.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert logprob_abs_diff(a, b, mask).item() == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(0)
+    b, t = 4, 5
+    # ratios well inside / outside the clip range, away from the kinks gradcheck cannot differentiate
+    old = -torch.rand(b, t, dtype=torch.float64) - 0.5
+    logp = (old + torch.tensor([-0.6, -0.05, 0.05, 0.6, 0.1], dtype=torch.float64)).requires_grad_()
+    rollout = old + 0.3 * torch.randn(b, t, dtype=torch.float64)
+    ref = old + 0.2 * torch.randn(b, t, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.3], dtype=torch.float64)
+    mask = torch.rand(b, t) > 0.3
+    for agg in LOSS_AGG:
+        cfg = AlgorithmConfig(eps_low=0.2, eps_high=0.28, is_clamp=1.2, kl_coef=0.05, kl_type="k3", loss_agg=agg)
+        fn = lambda x: policy_loss(x, old, rollout, adv, mask, cfg, ref_logprobs=ref)[0]  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (logp,))
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _ragged():
+    loss = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False], [True, True, False, False]])
+    return loss, mask
+
+
+def test_aggregation_modes_differ_on_ragged_masks():
+    loss, mask = _ragged()
+    assert LOSS_AGG["token_mean"](loss, mask).item() == pytest.approx((4 + 4 + 4) / 7)
+    assert LOSS_AGG["seq_mean_token_mean"](loss, mask).item() == pytest.approx((1 + 4 + 2) / 3)
+
+
+@pytest.mark.parametrize("agg", sorted(LOSS_AGG))
+def test_micro_batch_losses_sum_to_the_full_batch(agg):
+    torch.manual_seed(1)
+    b, t = 6, 7
+    logp = -torch.rand(b, t, dtype=torch.float64)
+    old = logp + 0.2 * torch.randn(b, t, dtype=torch.float64)
+    rollout = old + 0.1 * torch.randn(b, t, dtype=torch.float64)
+    adv = torch.randn(b, dtype=torch.float64)
+    lens = torch.tensor([7, 1, 3, 5, 2, 6])
+    mask = torch.arange(t)[None, :] < lens[:, None]
+    cfg = AlgorithmConfig(is_clamp=2.0, loss_agg=agg)
+
+    full, _ = policy_loss(logp, old, rollout, adv, mask, cfg)
+    counts = global_counts(mask)
+    assert counts == {"global_token_count": 24, "global_seq_count": 6}
+    parts = [
+        policy_loss(logp[s], old[s], rollout[s], adv[s], mask[s], cfg, **counts)[0]
+        for s in (slice(0, 2), slice(2, 5), slice(5, 6))
+    ]
+    torch.testing.assert_close(sum(parts), full)
+    # without the global normaliser, the micro-batch means do not add up
+    local = sum(policy_loss(logp[s], old[s], rollout[s], adv[s], mask[s], cfg)[0] for s in (slice(0, 2), slice(2, 6)))
+    assert not torch.allclose(local, full)

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+
+from colocate_rl.config import Config, ConfigError, ModelConfig, load, split_cli, to_yaml
+
+
+def base(**kw) -> Config:
+    return Config(model=ModelConfig(path=kw.pop("path", "some/model")), **kw)
+
+
+def err(overrides, base_cfg=None, files=()):
+    with pytest.raises(ConfigError) as e:
+        load(base_cfg or base(), files=list(files), overrides=overrides)
+    msg = str(e.value)
+    assert "\n" not in msg, "config errors are one line"
+    return msg
+
+
+def test_overrides_and_types():
+    cfg = load(base(), overrides=["actor.lr=3e-6", "rollout.n=4", "eval.sets=[a,b]"])
+    assert cfg.actor.lr == 3e-6 and cfg.rollout.n == 4 and cfg.eval.sets == ["a", "b"]
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("actor:\n  lr: 2.0e-6\nrollout:\n  n: 16\n")
+    cfg = load(base(), files=[str(f)], overrides=["rollout.n=2"])
+    assert cfg.actor.lr == 2e-6 and cfg.rollout.n == 2
+    assert "lr: 2.0e-06" in to_yaml(cfg)
+
+
+def test_split_cli():
+    assert split_cli(["a.yaml", "x=1", "preset=tiny"]) == (["a.yaml"], ["x=1", "preset=tiny"])
+
+
+def test_unknown_key_did_you_mean():
+    assert "unknown config key 'rollout.temprature'" in err(["rollout.temprature=0.5"])
+    assert "did you mean 'rollout.temperature'" in err(["rollout.temprature=0.5"])
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("actor:\n  learning_rate: 1.0\n")
+    assert str(f) in err([], files=[f]) and "actor.learning_rate" in err([], files=[f])
+
+
+def test_wrong_type_names_field():
+    assert "rollout.n" in err(["rollout.n=many"])
+
+
+def test_missing_required():
+    assert "model.path" in err([], base_cfg=Config())
+
+
+def test_bad_choice():
+    assert "algorithm.loss_agg" in err(["algorithm.loss_agg=sum"])
+
+
+def test_nonpositive():
+    assert "rollout.n=0" in err(["rollout.n=0"])
+
+
+def test_parallel_layout_must_match_gpus():
+    msg = err(["placement.gpus_per_node=8", "actor.tp=3"])
+    assert "actor.tp=3" in msg and "8 actor GPUs" in msg
+    assert "actor.dp=3" in err(["placement.gpus_per_node=8", "actor.tp=2", "actor.dp=3"])
+    load(base(), overrides=["placement.gpus_per_node=8", "actor.tp=2", "actor.pp=2", "actor.dp=2"])
+
+
+def test_ep_must_divide_experts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 6, "num_attention_heads": 4,
+                                                      "max_position_embeddings": 4096}))
+    msg = err(["placement.gpus_per_node=4", "actor.ep=4"], base_cfg=base(path=str(tmp_path)))
+    assert "actor.ep=4" in msg and "6 experts" in msg
+
+
+def test_tp_must_divide_heads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 6, "max_position_embeddings": 4096}))
+    assert "actor.tp=4" in err(["placement.gpus_per_node=4", "actor.tp=4"], base_cfg=base(path=str(tmp_path)))
+
+
+def test_response_longer_than_context(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    msg = err(["rollout.max_response_tokens=1000"], base_cfg=base(path=str(tmp_path)))
+    assert "rollout.max_response_tokens=1000" in msg and "1024" in msg
+    assert "rollout.max_model_len" in err(["rollout.max_model_len=256", "data.max_prompt_tokens=200"])
+
+
+def test_colocated_with_split_pools():
+    msg = err(["placement.gpus_per_node=8", "placement.actor_gpus=4"])
+    assert "placement.mode=colocated" in msg
+
+
+def test_disaggregated_split():
+    ok = ["placement.mode=disaggregated", "placement.gpus_per_node=8", "placement.actor_gpus=4"]
+    load(base(), overrides=ok)
+    assert "placement.actor_gpus" in err(["placement.mode=disaggregated", "placement.gpus_per_node=8"])
+    msg = err(["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
+               "placement.actor_nodes=2", "placement.rollout_nodes=2"])
+    assert "placement.nnodes=3" in msg
+    # AMD's published DeepSeek-V4 layout: 2 actor nodes at TP4/PP4 (EP4), 1 rollout node at TP8.
+    load(base(), overrides=["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
+                            "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4",
+                            "actor.ep=4", "rollout.tensor_parallel_size=8"])

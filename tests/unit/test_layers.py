@@ -1,0 +1,86 @@
+"""Layers import only downward (docs/architecture.md): a module may import its own layer or lower."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "colocate_rl"
+
+# Top-level module or sub-package of colocate_rl -> layer.
+LAYERS = {
+    "types": 0, "config": 0, "platform": 0,
+    "algorithms": 1, "rewards": 1, "data": 1, "weight_sync": 1, "models": 1,
+    "trainer": 2, "rollout": 2,
+    "memory": 3, "checkpoint": 3, "eval": 3, "metrics": 3,
+    "placement": 4,
+    "loop": 5, "cli": 5,
+}
+# Same-layer packages that must stay independent of each other.
+FORBIDDEN = {("trainer", "rollout"), ("rollout", "trainer")}
+
+
+def _unit(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    pkg_parts = path.relative_to(PKG.parent).with_suffix("").parts
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this module's package
+                base = pkg_parts[: len(pkg_parts) - node.level]
+                out.add(".".join(base + ((node.module,) if node.module else ())))
+                if not node.module:
+                    out |= {".".join(base + (a.name,)) for a in node.names}
+            elif node.module:
+                out.add(node.module)
+                out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m.split(".")[1] for m in out if m.startswith("colocate_rl.") and len(m.split(".")) > 1}
+
+
+def _violations(root: Path = PKG) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        unit = _unit(path)
+        if unit == "__init__" or unit not in LAYERS:
+            continue
+        for dep in _imports(path):
+            if dep not in LAYERS or dep == unit:
+                continue
+            if LAYERS[dep] > LAYERS[unit] or (unit, dep) in FORBIDDEN:
+                bad.append(f"{path.relative_to(PKG.parent)} (layer {LAYERS[unit]}) imports colocate_rl.{dep} "
+                           f"(layer {LAYERS[dep]})")
+    return bad
+
+
+def test_every_module_has_a_layer():
+    units = {_unit(p) for p in PKG.rglob("*.py")} - {"__init__"}
+    assert units <= set(LAYERS), f"modules without a layer: {sorted(units - set(LAYERS))}"
+
+
+def test_layers_import_only_downward():
+    assert _violations() == []
+
+
+def test_checker_catches_an_upward_import(tmp_path):
+    pkg = tmp_path / "colocate_rl"
+    (pkg / "trainer").mkdir(parents=True)
+    (pkg / "trainer" / "bad.py").write_text("from colocate_rl.rollout import engine\n")
+    (pkg / "algorithms").mkdir()
+    (pkg / "algorithms" / "bad.py").write_text("from ..loop import run\n")
+    global PKG
+    saved, PKG = PKG, pkg
+    try:
+        bad = _violations(pkg)
+    finally:
+        PKG = saved
+    assert any("trainer/bad.py" in b and "rollout" in b for b in bad)
+    assert any("algorithms/bad.py" in b and "loop" in b for b in bad)
