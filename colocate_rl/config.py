@@ -90,7 +90,7 @@ class ArithmeticConfig:
     """The synthetic task of the tiny recipes: 'a+b=' with an exact reward."""
 
     num_train: int = 2000
-    num_eval: int = 128
+    num_eval: int = 128  # capped at a quarter of all distinct problems (held out from training)
     max_operand: int = 9
     ops: str = "+"
     seed: int = 1234
@@ -252,6 +252,7 @@ def print_config(cfg: Config) -> None:
 # ---------------------------------------------------------------- validation
 
 CHOICES = {
+    "algorithm.advantage": ("grpo", "grpo_no_std"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "algorithm.kl_type": ("k1", "k3"),
@@ -298,6 +299,11 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
     if cfg.algorithm.eps_low < 0 or cfg.algorithm.eps_high < 0:
         raise ConfigError("algorithm.eps_low and algorithm.eps_high must be >= 0")
+    if cfg.reward.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    ar = cfg.data.arithmetic
+    if not ar.ops or set(ar.ops) - set("+-*") or ar.max_operand < 0:
+        raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
     if cfg.algorithm.is_clamp < 0:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
 

@@ -56,6 +56,47 @@ class RolloutBatch:
             if len(getattr(self, f)) != b:
                 raise ValueError(f"RolloutBatch.{f} has {len(getattr(self, f))} entries, expected {b}")
 
+    @classmethod
+    def from_rows(
+        cls,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        samples: list[Sample],
+        pad_id: int,
+        response_logprobs: list[list[float]] | None = None,
+        finish_reasons: list[str] | None = None,
+        responses: list[str] | None = None,
+        n: int = 1,
+    ) -> "RolloutBatch":
+        """Right-pads B = len(prompt_ids) rows of prompt + response; rows come in groups of n adjacent rows."""
+        b = len(prompt_ids)
+        if b % n:
+            raise ValueError(f"{b} rows do not split into groups of n={n}")
+        lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        t = max(lens, default=0)
+        tokens = torch.full((b, t), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((b, t), dtype=torch.bool)
+        logprobs = torch.zeros((b, t), dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+            tokens[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+            loss_mask[i, len(p) : len(p) + len(r)] = True
+            if response_logprobs is not None:
+                logprobs[i, len(p) : len(p) + len(r)] = torch.tensor(response_logprobs[i], dtype=torch.float32)
+        reasons = finish_reasons or ["stop"] * b
+        return cls(
+            tokens=tokens,
+            attention_mask=torch.arange(t)[None, :] < torch.tensor(lens)[:, None],
+            loss_mask=loss_mask,
+            rollout_logprobs=logprobs,
+            prompt_lens=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
+            response_lens=torch.tensor([len(r) for r in response_ids], dtype=torch.long),
+            group_ids=torch.arange(b) // n,
+            truncated=torch.tensor([f == "length" for f in reasons], dtype=torch.bool),
+            finish_reasons=list(reasons),
+            responses=list(responses) if responses is not None else [""] * b,
+            samples=list(samples),
+        )
+
     @property
     def size(self) -> int:
         return self.tokens.shape[0]

@@ -21,9 +21,12 @@ want="$(cat "$root/requirements/cpu.lock" "$root/pyproject.toml" "$root/scripts/
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   return 0 2>/dev/null || exit 0
 fi
+# pip here prints a warning per configured-but-absent local index and setuptools a banner per
+# editable build: keep the log to what matters.
+quiet() { "$@" 2>&1 | { grep -vE "is ignored: it is neither|BuildBackendWarning|^ +(\*|!!|$)|^ +(return|corresp|with strategy)" || true; }; return "${PIPESTATUS[0]}"; }
 echo "[setup] installing into $venv (first run: a few minutes)"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+pip=(quiet "$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade "pip>=24"
 # On this machine kind torch==2.13.0 resolves to a local CPU wheel. Elsewhere add
 #   --index-url https://download.pytorch.org/whl/cpu
@@ -36,7 +39,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11.
 "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
-"$venv/bin/python" -c "import torch, vllm, megatron.core, ray, colocate_rl" \
+"$venv/bin/python" -W ignore -c "import torch, vllm, megatron.core, ray, colocate_rl" \
   || { echo "[setup] import check failed"; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] done"

@@ -82,7 +82,8 @@ def test_asymmetric_clip(ratio, adv, want_loss, clipped):
 def test_clipped_token_has_no_gradient():
     logp = torch.tensor([[math.log(1.5), math.log(1.1)]], dtype=torch.float64, requires_grad=True)
     z = torch.zeros(1, 2, dtype=torch.float64)
-    loss, m = policy_loss(logp, z, z, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool), _cfg())
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
+    loss, m = policy_loss(logp, z, z, adv, mask, _cfg())
     loss.backward()
     # token 0 is clipped (grad 0); token 1: d/dlogp of -r·A/2 = -r/2
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 / 2]], dtype=torch.float64))

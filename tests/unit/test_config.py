@@ -103,3 +103,9 @@ def test_disaggregated_split():
     load(base(), overrides=["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
                             "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4",
                             "actor.ep=4", "rollout.tensor_parallel_size=8"])
+
+
+def test_reward_and_task_knobs():
+    assert "reward.timeout_s" in err(["reward.timeout_s=0"])
+    assert "data.arithmetic" in err(["data.arithmetic.ops=/"])
+    assert "algorithm.advantage" in err(["algorithm.advantage=ppo"])

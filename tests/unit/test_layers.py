@@ -15,7 +15,7 @@ LAYERS = {
     "algorithms": 1, "rewards": 1, "data": 1, "weight_sync": 1, "models": 1,
     "trainer": 2, "rollout": 2,
     "memory": 3, "checkpoint": 3, "eval": 3, "metrics": 3,
-    "placement": 4,
+    "placement": 4, "session": 4,
     "loop": 5, "cli": 5,
 }
 # Same-layer packages that must stay independent of each other.

@@ -1,0 +1,43 @@
+"""The synthetic task of the tiny recipes: "a+b=" problems whose label is the exact integer result.
+
+Train and eval are disjoint by construction, not by seed: the eval problems are a held-out set of
+distinct (a, op, b) triples, and train problems are drawn from all other triples. The held-out set
+is at most a quarter of all triples (so train keeps most of a small space: with operands 0..9 and
+"+", that is 25 eval problems, not ``num_eval``). Everything is a function of ``cfg.seed``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from colocate_rl.config import ArithmeticConfig
+
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def _draw(rng: random.Random, cfg: ArithmeticConfig) -> tuple[int, str, int]:
+    return rng.randint(0, cfg.max_operand), rng.choice(cfg.ops), rng.randint(0, cfg.max_operand)
+
+
+def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tuple[str, str]]:
+    """(prompt_text, label) pairs such as ("3+4=", "7"); ``split`` is "train" (``num_train``
+    problems, repeats allowed) or "eval" (distinct problems, held out of train)."""
+    if not cfg.ops or set(cfg.ops) - set(_APPLY) or cfg.max_operand < 0:
+        raise ValueError(f"arithmetic: ops={cfg.ops!r} must use only '+-*' and max_operand={cfg.max_operand} be >= 0")
+    if split not in ("train", "eval"):
+        raise ValueError(f"arithmetic: split '{split}' is not train or eval")
+    space = (cfg.max_operand + 1) ** 2 * len(set(cfg.ops))
+    n_eval = min(cfg.num_eval, space // 4)
+    held_out: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
+    rng = random.Random(cfg.seed)
+    while len(held_out) < n_eval:
+        held_out[_draw(rng, cfg)] = None
+    if split == "eval":
+        triples = list(held_out)
+    else:
+        rng, triples = random.Random(cfg.seed + 1), []
+        while len(triples) < cfg.num_train:
+            t = _draw(rng, cfg)
+            if t not in held_out:
+                triples.append(t)
+    return [(f"{a}{op}{b}=", str(_APPLY[op](a, b))) for a, op, b in triples]

@@ -1,0 +1,183 @@
+"""Prompt datasets: a hub id, a local .parquet/.jsonl/.json file, or the synthetic arithmetic task,
+read with HF ``datasets`` and turned into token ids (colocate_rl.types.Sample).
+
+Two row schemas are understood, detected per file from its columns when ``format=auto``:
+
+    verl:   {"prompt": [{"role": "user", "content": "..."}, ...], "reward_model": {"ground_truth": "..."}}
+    slime:  {"prompt": "...", "label": "..."}
+
+``prompt_key`` / ``label_key`` override the columns (a dotted key reaches into a nested dict). A
+prompt may be a string or a list of chat messages in either schema; a string becomes one user
+message when the chat template is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import datasets
+
+from colocate_rl.config import DataConfig, cache_dir
+from colocate_rl.data.arithmetic import arithmetic_problems
+from colocate_rl.types import Sample
+
+logger = logging.getLogger(__name__)
+
+LABEL_KEYS = {"verl": "reward_model.ground_truth", "slime": "label"}
+_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+
+
+@dataclass
+class PromptDataset:
+    samples: list[Sample]
+    source: str
+    skipped: dict[str, int] = field(default_factory=dict)  # reason (malformed | too_long) → rows skipped
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+
+class _BadRow(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _read(source: str, split: str) -> tuple[Sequence[dict[str, Any]], list[str]]:
+    """A hub id or a local file → (rows, column names)."""
+    builder = _FILE_BUILDERS.get(Path(source).suffix)
+    if builder is None:  # a hub id: HF's cache (HF_HOME), so that a pre-downloaded set is found offline
+        ds = datasets.load_dataset(source, split=split)
+    elif not Path(source).is_file():
+        raise FileNotFoundError(f"data file not found: {source}")
+    else:
+        try:
+            # datasets keeps an Arrow copy of a local file: in the run-local cache, not the shared HF one.
+            cache = str(cache_dir() / "datasets")
+            ds = datasets.load_dataset(builder, data_files=source, split="train", cache_dir=cache)
+        except Exception as e:  # noqa: BLE001 - datasets' own message is buried under its fallbacks
+            raise ValueError(f"{source}: cannot be read as {builder}: {_first_bad_line(source) or e}") from None
+    return ds, list(ds.column_names)
+
+
+def _first_bad_line(path: str) -> str:
+    """For a JSON-lines file: which line is not JSON ("" when every line parses)."""
+    if not path.endswith(".jsonl"):
+        return ""
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {n} is not JSON ({e})"
+    return ""
+
+
+def _get(row: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
+def _messages(prompt: Any) -> list[dict[str, str]] | None:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return None
+
+
+def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokenizer, meta: dict) -> Sample:
+    prompt_key, label_key = keys
+    prompt, label = _get(row, prompt_key), _get(row, label_key)
+    for what, key, value in (("prompt", prompt_key, prompt), ("label", label_key, label)):
+        if value is None:
+            raise _BadRow("malformed", f"missing {what} '{key}'")
+    messages = _messages(prompt)
+    if messages is None:
+        raise _BadRow("malformed", f"prompt is {type(prompt).__name__}, not a string or a list of chat messages")
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise _BadRow("malformed", f"label is {type(label).__name__}, not a string or a number")
+    if cfg.apply_chat_template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise ValueError(f"{meta['source']}: prompts are chat messages but data.apply_chat_template=false")
+    # A chat template already writes any BOS it wants; raw text gets the tokenizer's special tokens,
+    # as vLLM does for a text prompt.
+    ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
+    if len(ids) > cfg.max_prompt_tokens:
+        raise _BadRow("too_long", f"prompt has {len(ids)} tokens > data.max_prompt_tokens={cfg.max_prompt_tokens}")
+    if isinstance(row.get("data_source"), str):
+        meta = {**meta, "data_source": row["data_source"]}
+    return Sample(prompt_ids=list(ids), label=str(label), prompt_text=text, meta=meta)
+
+
+def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = "verl" if "reward_model" in columns else "slime" if "label" in columns else ""
+    if not fmt and not cfg.label_key:
+        raise ValueError(
+            f"{source}: cannot tell the format from its columns {columns}: expected 'reward_model' (verl) or "
+            f"'label' (slime); set data.format, or data.prompt_key and data.label_key"
+        )
+    keys = (cfg.prompt_key or "prompt", cfg.label_key or LABEL_KEYS[fmt])
+    for key in keys:
+        if key.split(".")[0] not in columns:
+            raise ValueError(f"{source}: no column '{key.split('.')[0]}' (columns: {', '.join(columns)})")
+    return keys
+
+
+def load_prompts(
+    cfg: DataConfig, tokenizer, source: Optional[str] = None, split: Optional[str] = None
+) -> PromptDataset:
+    """Prompts of ``source`` (default ``cfg.train``) as Samples, in file order.
+
+    ``source``: a hub id (read with ``split``, default ``cfg.split``), a local .parquet/.jsonl/.json
+    file (one split: ``split`` is ignored), or "arithmetic" (``cfg.arithmetic``'s problems; the
+    held-out ones with "arithmetic:eval" or split="eval"; the default is train). A bad row
+    (missing or mistyped prompt or label, or more than ``cfg.max_prompt_tokens`` tokens) raises an
+    error naming the source and the row (0-based), or with ``on_bad_row=skip`` is skipped and
+    counted in ``PromptDataset.skipped``.
+    """
+    source = source or cfg.train
+    if not source:
+        raise ValueError("data.train is empty: give a hub id, a .parquet/.jsonl/.json file or 'arithmetic'")
+    if source == "arithmetic" or source.startswith("arithmetic:"):
+        problems = arithmetic_problems(cfg.arithmetic, source.partition(":")[2] or split or "train")
+        rows: Sequence[dict[str, Any]] = [{"prompt": p, "label": a} for p, a in problems]
+        keys = ("prompt", "label")
+    else:
+        rows, columns = _read(source, split or cfg.split)
+        keys = _keys(cfg, columns, source)
+
+    samples, skipped = [], Counter()
+    for i, row in enumerate(rows):
+        try:
+            samples.append(_sample(row, keys, cfg, tokenizer, {"source": source, "row": i}))
+        except _BadRow as e:
+            if cfg.on_bad_row != "skip":
+                raise ValueError(f"{source} row {i}: {e} (data.on_bad_row=skip skips such rows)") from None
+            skipped[e.reason] += 1
+    if skipped:
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+        logger.warning("%s: skipped %d of %d rows (%s)", source, sum(skipped.values()), len(rows), detail)
+    if not samples:
+        raise ValueError(f"{source}: no usable prompts ({len(rows)} rows, skipped: {dict(skipped) or 'none'})")
+    return PromptDataset(samples, source, dict(skipped))

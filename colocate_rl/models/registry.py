@@ -1,0 +1,75 @@
+"""Model families: HF ``model_type`` → how to build the Megatron model and map its weights.
+
+A family is a small record of functions; adding one (say ``models/deepseek_v4/``) means writing
+those functions and calling ``register`` in that module, then listing the module in ``_BUILTIN``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from colocate_rl.models.mapping import ParamSpec
+
+# Modules that register families when imported.
+_BUILTIN = ("colocate_rl.models.qwen3",)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # HF config.json "model_type" values this family serves
+    # (hf_config, params_dtype, parallel sizes dict) -> megatron TransformerConfig
+    transformer_config: Callable
+    # (TransformerConfig, use_te) -> layer spec for GPTModel (a ModuleSpec or block spec)
+    layer_spec: Callable
+    # hf_config -> GPTModel keyword arguments (vocab_size, rope, shared embeddings, ...)
+    model_kwargs: Callable[[dict], dict]
+    # hf_config -> every Megatron parameter of the full model and its HF counterpart(s), in export order
+    params: Callable[[dict], "list[ParamSpec]"]
+    # (hf_config, tp, pp, ep) -> raises ValueError naming the field when the layout cannot work
+    check_parallel: Callable[[dict, int, int, int], None]
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    for mt in family.model_types:
+        _FAMILIES[mt] = family
+    return family
+
+
+def _load_builtin() -> None:
+    for mod in _BUILTIN:
+        importlib.import_module(mod)
+
+
+def families() -> dict[str, Family]:
+    _load_builtin()
+    return dict(_FAMILIES)
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """config.json of an HF model folder as a dict."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"model.path={path} has no config.json")
+    return json.loads(p.read_text())
+
+
+def family_for(hf_config: dict) -> Family:
+    """The family serving this HF config; a one-line error naming the architecture otherwise."""
+    _load_builtin()
+    mt = hf_config.get("model_type", "")
+    if mt not in _FAMILIES:
+        arch = ",".join(hf_config.get("architectures") or []) or "?"
+        raise ValueError(
+            f"unsupported model architecture {arch} (model_type={mt!r}); supported model_types: "
+            f"{', '.join(sorted(_FAMILIES))}"
+        )
+    return _FAMILIES[mt]

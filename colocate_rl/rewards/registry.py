@@ -1,0 +1,63 @@
+"""Reward functions by name: ``fn(response: str, label: str) -> float``.
+
+Register one with ``@register("name")``; a config may also name a user's own function as
+``"pkg.module:function"``. Rewards run in a worker pool (colocate_rl.rewards.scorer) unless
+registered ``inline=True``: cheap, pure-Python scorers that cannot hang.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+RewardFn = Callable[[str, str], float]
+
+
+@dataclass(frozen=True)
+class Reward:
+    fn: RewardFn
+    inline: bool = False  # scored in the calling process, without the pool and its timeout
+    name: str = ""
+
+
+REWARDS: dict[str, Reward] = {}
+
+
+def register(name: str, *, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward '{name}' is already registered (by {REWARDS[name].fn.__module__})")
+        REWARDS[name] = Reward(fn, inline, name)
+        return fn  # the plain function: workers receive it pickled by reference
+
+    return deco
+
+
+def _choices() -> str:
+    return f"registered rewards: {', '.join(sorted(REWARDS))}; or give your own as 'pkg.module:function'"
+
+
+def get_reward(spec: str | RewardFn) -> Reward:
+    """A registered name, a ``"pkg.module:function"`` path, or a function → Reward.
+    Functions from paths or passed directly always go through the pool: they may hang."""
+    if callable(spec):
+        return Reward(spec, False, getattr(spec, "__qualname__", repr(spec)))
+    if spec in REWARDS:
+        return REWARDS[spec]
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"unknown reward '{spec}': {_choices()}")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ValueError(f"reward '{spec}': cannot import '{module}' ({e}); {_choices()}") from None
+    except AttributeError:
+        raise ValueError(f"reward '{spec}': module '{module}' has no '{attr}'; {_choices()}") from None
+    if not callable(fn):
+        raise ValueError(f"reward '{spec}': '{attr}' is not a function; {_choices()}")
+    return Reward(fn, False, spec)
+
+
+def get_reward_fn(spec: str | RewardFn) -> RewardFn:
+    return get_reward(spec).fn

@@ -1,0 +1,283 @@
+"""The rollout engine: one vllm.LLM, prompts in, a RolloutBatch out, weights in by IPC handle.
+
+One RolloutEngine drives one vLLM engine (all its TP workers). The disaggregated mode runs one
+per Ray actor behind a router; nothing here assumes it is the only one. The synchronous LLM API is
+used: ``generate`` returns when every request is done, so weight updates and sleep/wake never race
+a running batch (the loop orders the phases).
+
+Token ids go in and out; vLLM runs with ``skip_tokenizer_init`` and the HF tokenizer (when there
+is one) only decodes responses for the reward.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colocate_rl.config import Config
+from colocate_rl.types import RolloutBatch, Sample
+from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "colocate_rl.rollout.extension.WeightReceiver"
+CPU_KV_CACHE_MB = 256  # vLLM's CPU default sizing fails on small shared machines; give it an explicit budget
+
+
+def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json (Qwen's chat models stop at <|im_end|> there), else the tokenizer's."""
+    ids: Any = None
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_path) / name
+        if p.is_file():
+            ids = json.loads(p.read_text()).get("eos_token_id")
+            if ids is not None:
+                break
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer at %s (%s): responses will not be decoded", path, str(e).splitlines()[0])
+        return None
+
+
+class RolloutEngine:
+    """vLLM with the WeightReceiver extension.
+
+    Args:
+        cfg: the run's Config (model.dtype, rollout.*, data.max_prompt_tokens).
+        model_path: HF folder or hub id; defaults to cfg.model.path.
+        tokenizer: a tokenizer, a path to load one from, or None for cfg.model.tokenizer / model_path.
+        multiprocess: vLLM's engine core in its own process; defaults to cfg.rollout.multiprocess.
+        engine_kwargs: extra vllm.LLM arguments (override cfg.rollout.engine_kwargs).
+    """
+
+    def __init__(
+        self, cfg: Config, model_path: str | None = None, *, tokenizer: Any = None, multiprocess: bool | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.cfg = cfg
+        self.model_path = str(model_path or cfg.model.path)
+        self.on_cpu = current_platform.is_cpu()
+        r = cfg.rollout
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
+            tokenizer = _load_tokenizer(str(tokenizer or cfg.model.tokenizer or self.model_path), cfg.model.trust_remote_code)
+        self.tokenizer = tokenizer
+        self.eos_ids = _eos_ids(self.model_path, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.max_model_len = r.max_model_len or (cfg.data.max_prompt_tokens + r.max_response_tokens)
+        # With TORCHDYNAMO_DISABLE=1 (skips a 15-19 s compile on CPU) vLLM's compiled mode fails in
+        # aot_compile; eager is the only mode that runs then.
+        eager = r.enforce_eager or os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,
+            tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
+            worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
+        )
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
+        else:
+            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
+            if r.kv_cache_memory_mb:
+                kwargs["kv_cache_memory_bytes"] = r.kv_cache_memory_mb * 2**20
+        kwargs.update(r.engine_kwargs)
+        kwargs.update(engine_kwargs)
+        self.supports_sleep = bool(kwargs.get("enable_sleep_mode", False)) and not self.on_cpu
+
+        self.multiprocess = r.multiprocess if multiprocess is None else multiprocess
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocess else "0"
+        import vllm.envs as envs
+
+        # An in-process engine caches vLLM's env vars for the whole process (enable_envs_cache);
+        # without a reset a later engine would ignore VLLM_ENABLE_V1_MULTIPROCESSING.
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()
+        self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.llm = LLM(**kwargs)
+        self.asleep = False
+        self._syncing = False
+        self._warned_sleep = False
+        self.device_uuids: list[str] = self.llm.collective_rpc("device_uuid")
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, samples: list[Sample], n: int | None = None, temperature: float | None = None,
+        max_tokens: int | None = None, seed: int | None = None, top_p: float | None = None,
+    ) -> RolloutBatch:
+        """n samples per prompt, rows of a prompt adjacent. ``seed``: per-prompt seeds seed + i
+        (reproducible batches); None uses the engine's generator (seeded by cfg.rollout.seed)."""
+        from vllm import SamplingParams
+
+        if self._syncing:
+            raise RuntimeError("generate during a weight sync: call end_weight_sync() first")
+        if self.asleep:
+            raise RuntimeError("generate while the engine sleeps: call wake() first")
+        r = self.cfg.rollout
+        n = r.n if n is None else n
+        params = [
+            SamplingParams(
+                n=n, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p if top_p is None else top_p,
+                max_tokens=r.max_response_tokens if max_tokens is None else max_tokens, logprobs=0,
+                seed=None if seed is None else seed + i, stop_token_ids=self.eos_ids, detokenize=False,
+            )
+            for i in range(len(samples))
+        ]
+        prompts = [{"prompt_token_ids": list(s.prompt_ids)} for s in samples]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if samples else []
+        return self._to_batch(samples, outputs, n)
+
+    def _to_batch(self, samples: list[Sample], outputs: list[Any], n: int) -> RolloutBatch:
+        rows = []  # (sample index, response ids, logprobs, finish reason)
+        for i, out in enumerate(outputs):
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != n:
+                raise RuntimeError(f"vLLM returned {len(comps)} completions for prompt {i}, expected n={n}")
+            for c in comps:
+                ids = list(c.token_ids)
+                lps = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(ids)] if ids else []
+                rows.append((i, ids, lps, str(c.finish_reason)))
+        b = len(rows)
+        plen = [len(samples[i].prompt_ids) for i, *_ in rows]
+        rlen = [len(ids) for _, ids, _, _ in rows]
+        t = max((p + q for p, q in zip(plen, rlen)), default=0)
+        tokens = torch.full((b, t), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(b, t, dtype=torch.bool)
+        loss = torch.zeros(b, t, dtype=torch.bool)
+        logp = torch.zeros(b, t, dtype=torch.float32)
+        for k, (i, ids, lps, _) in enumerate(rows):
+            p, q = plen[k], rlen[k]
+            tokens[k, :p] = torch.tensor(samples[i].prompt_ids, dtype=torch.long)
+            if q:
+                tokens[k, p : p + q] = torch.tensor(ids, dtype=torch.long)
+                logp[k, p : p + q] = torch.tensor(lps, dtype=torch.float32)
+            attn[k, : p + q] = True
+            loss[k, p : p + q] = True
+        reasons = [fr for *_, fr in rows]
+        tok = self.tokenizer
+        return RolloutBatch(
+            tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=logp,
+            prompt_lens=torch.tensor(plen, dtype=torch.long), response_lens=torch.tensor(rlen, dtype=torch.long),
+            group_ids=torch.tensor([i for i, *_ in rows], dtype=torch.long),
+            truncated=torch.tensor([fr == "length" for fr in reasons], dtype=torch.bool),
+            finish_reasons=reasons,
+            responses=[tok.decode(ids, skip_special_tokens=True) if tok is not None else "" for _, ids, _, _ in rows],
+            samples=[samples[i] for i, *_ in rows],
+        )
+
+    # ------------------------------------------------------------------ memory
+
+    def _no_sleep(self) -> bool:
+        if self.supports_sleep:
+            return False
+        if not self._warned_sleep:
+            log.info("vLLM has no sleep mode on this platform (CPU): sleep/wake do nothing")
+            self._warned_sleep = True
+        return True
+
+    def sleep(self, level: int | None = None) -> None:
+        """Level 2 (default, cfg.rollout.sleep_level) discards weights and KV cache: the next sync
+        overwrites the weights anyway. Level 1 keeps a host copy of the weights."""
+        if self._no_sleep():
+            return
+        self.llm.sleep(level=self.cfg.rollout.sleep_level if level is None else level)
+        self.asleep = True
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Staged wake: ``wake(["weights"])`` → sync → ``wake(["kv_cache"])`` keeps the peak low;
+        None wakes everything."""
+        if self._no_sleep():
+            return
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_weight_sync(self) -> None:
+        self.llm.collective_rpc("begin_weight_sync")
+        self._syncing = True
+
+    def load_message(self, message: Message) -> list[dict[str, int]]:
+        """One bucket message ({device uuid: payload}, see weight_sync.ipc); every worker takes its entry."""
+        return self.llm.collective_rpc("update_weights_from_ipc", args=(message,))
+
+    def end_weight_sync(self) -> None:
+        self.llm.collective_rpc("end_weight_sync")
+        self._syncing = False
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def abort_weight_sync(self) -> None:
+        self.llm.collective_rpc("abort_weight_sync")
+        self._syncing = False
+        self.llm.reset_prefix_cache()
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256, device: str | None = None
+    ) -> SyncStats:
+        """Packs HF-named tensors from this process and sends them bucket by bucket (one engine
+        worker, TP=1; with TP/EP the actor ranks send through weight_sync.ipc themselves)."""
+        sender = IpcSender(device or ("cpu" if self.on_cpu else "cuda"))
+        self.begin_weight_sync()
+        try:
+            stats = sender.sync(named_tensors, bucket_mb, self.load_message)
+        except BaseException:
+            self.abort_weight_sync()
+            raise
+        self.end_weight_sync()
+        return stats
+
+    def checksum(self, names: list[str]) -> dict[str, float]:
+        """HF name -> weight_sync.verify.tensor_checksum inside the engine (first worker)."""
+        return self.llm.collective_rpc("checksum", args=(list(names),))[0]
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v) for k, v in self.llm.collective_rpc("weight_shapes")[0].items()}
+
+    # ------------------------------------------------------------------ lifetime
+
+    def shutdown(self) -> None:
+        """Stops the engine (and its processes); safe to call twice."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm, core
+        if not self.multiprocess and self._owns_dist:
+            # In-process vLLM set up torch.distributed here; a later engine would find it taken.
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        gc.collect()
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,223 @@
+"""vLLM worker extension: receive weights by IPC handle, load them in place, report checksums.
+
+vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls the methods
+through ``LLM.collective_rpc``, so they run in every worker process, next to the model. Method
+names must not collide with the worker's own (vLLM 0.32 already has ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` for its built-in transfer engines).
+
+A sync is ``begin_weight_sync`` → ``update_weights_from_ipc`` per bucket → ``end_weight_sync``; an
+``update_weights_from_ipc`` outside a begin/end pair is a sync of its own. Every bucket is checked
+(names and shapes against the checkpoint the engine started from) before any of it is loaded, so a
+bad message leaves the engine serving its old weights.
+
+Loading differs by platform:
+- GPU: ``model.load_weights`` copies each tensor (or its shard) into the live parameters; fused
+  q/k/v and gate/up shards land independently, so buckets may split them.
+- CPU: the linear layers' weights were repacked into kernel formats at load time (and removed from
+  the module), so ``load_weights`` alone fails. vLLM's layerwise reload restores each layer to
+  checkpoint format, buffers its incoming tensors until the layer is complete, then re-runs its
+  processing (repacking) and copies the result into the original storage. It is started in
+  ``begin_weight_sync`` and finished in ``end_weight_sync``, so a layer split across buckets is
+  processed once, complete. Two leftovers are fixed after it (see ``_fix_cpu_after_reload``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colocate_rl.weight_sync.ipc import IpcReceiver, Message
+from colocate_rl.weight_sync.verify import tensor_checksum
+
+
+def _checkpoint_shapes(model: str, revision: str | None) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor in the safetensors checkpoint (headers only, no data)."""
+    root = Path(model)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(model, revision=revision, allow_patterns=["*.safetensors"], local_files_only=True))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    if not shapes:
+        raise FileNotFoundError(f"weight sync: no *.safetensors under {root} to check incoming tensors against")
+    return shapes
+
+
+class WeightReceiver:
+    """Mixed into vLLM's Worker; ``self`` is the worker (``self.model_runner``, ``self.device`` ...)."""
+
+    # ------------------------------------------------------------------ state
+
+    def _crl_state(self) -> dict[str, Any]:
+        st = self.__dict__.get("_crl")
+        if st is None:
+            mc = self.vllm_config.model_config
+            hf = mc.hf_config.get_text_config() if hasattr(mc.hf_config, "get_text_config") else mc.hf_config
+            shapes = _checkpoint_shapes(mc.model, getattr(mc, "revision", None))
+            tied = bool(getattr(hf, "tie_word_embeddings", False))
+            if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+                shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+            st = self.__dict__["_crl"] = {
+                "receiver": IpcReceiver(self.device), "shapes": shapes, "tied": tied, "active": False,
+            }
+        return st
+
+    def _crl_cpu(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
+    def _crl_model(self) -> torch.nn.Module:
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    # ------------------------------------------------------------------ rpc methods
+
+    def device_uuid(self) -> str:
+        return self._crl_state()["receiver"].uuid
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        """HF name -> shape the engine accepts (its checkpoint's tensors)."""
+        return {k: list(v) for k, v in self._crl_state()["shapes"].items()}
+
+    def begin_weight_sync(self) -> None:
+        from vllm.config import set_current_vllm_config
+
+        st = self._crl_state()
+        if st["active"]:
+            raise RuntimeError("begin_weight_sync: a weight sync is already in progress (end or abort it first)")
+        if self._crl_cpu():
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                initialize_layerwise_reload(self._crl_model())
+        st["active"] = True
+
+    def update_weights_from_ipc(self, message: Message) -> dict[str, int]:
+        """Loads this device's entry of ``message``. Returns {"tensors": n, "bytes": b}."""
+        st = self._crl_state()
+        with st["receiver"].open(message) as named:
+            self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
+            named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
+            oneshot = not st["active"]
+            if oneshot:
+                self.begin_weight_sync()
+            try:
+                self._crl_load(named)
+            except BaseException:
+                self.abort_weight_sync()
+                raise
+            n, nbytes = len(named), sum(t.numel() * t.element_size() for _, t in named)
+            del named
+        if oneshot:
+            self.end_weight_sync()
+        return {"tensors": n, "bytes": nbytes}
+
+    def end_weight_sync(self) -> None:
+        from vllm.config import set_current_vllm_config
+
+        st = self._crl_state()
+        if not st["active"]:
+            raise RuntimeError("end_weight_sync without begin_weight_sync")
+        if self._crl_cpu():
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
+                self._crl_fix_cpu_after_reload()
+        st["active"] = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def abort_weight_sync(self) -> None:
+        """Ends a failed sync. CPU: layers still waiting for tensors go back to their old weights
+        (layers already complete keep the new ones: a sync that fails midway is partial)."""
+        from vllm.config import set_current_vllm_config
+
+        st = self._crl_state()
+        if not st["active"]:
+            return
+        if self._crl_cpu():
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+            for info in LAYERWISE_INFO.values():
+                if info.can_load():  # not processed yet: drop what it buffered, finalize puts the old tensors back
+                    info.loaded_weights = []
+                    info.load_numel = 0
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
+                self._crl_fix_cpu_after_reload()
+        st["active"] = False
+
+    def checksum(self, names: list[str]) -> dict[str, float]:
+        """HF name -> tensor_checksum of the engine's copy. Only tensors vLLM keeps unfused and
+        unpacked qualify (embeddings, norms, lm_head); others raise naming the tensor."""
+        st = self._crl_state()
+        model = self._crl_model()
+        out = {}
+        for name in names:
+            if name not in st["shapes"]:
+                raise KeyError(f"checksum: tensor '{name}' does not exist in the engine's model")
+            try:
+                param = model.get_parameter(name)
+            except AttributeError:
+                param = None
+            shape = st["shapes"][name]
+            if param is None or param.dim() != len(shape) or any(p < s for p, s in zip(param.shape, shape)):
+                raise ValueError(
+                    f"checksum: tensor '{name}' is fused, sharded or repacked inside vLLM; pick embeddings, norms or lm_head"
+                )
+            # vLLM pads the vocabulary dimension; compare the checkpoint's rows only.
+            out[name] = tensor_checksum(param[tuple(slice(0, s) for s in shape)])
+        return out
+
+    # ------------------------------------------------------------------ helpers
+
+    def _crl_validate(self, named: list[tuple[str, torch.Tensor]], st: dict[str, Any]) -> None:
+        shapes = st["shapes"]
+        for name, t in named:
+            if name not in shapes:
+                raise KeyError(f"weight sync: tensor '{name}' does not exist in the engine's model")
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(
+                    f"weight sync: tensor '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}"
+                )
+
+    def _crl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self._crl_model().load_weights(iter(named))
+
+    def _crl_fix_cpu_after_reload(self) -> None:
+        """What vLLM 0.32's CPU layerwise reload leaves stale.
+
+        - Fused MoE experts: on a reload the unquantized method copies the new weights into the
+          existing (already prepacked) storage and skips the experts' CPU prepack, so the kernel
+          reads checkpoint-layout data as if it were packed. Re-run the experts' own
+          process_weights_after_loading.
+        - Tied embeddings: the output layer shares the embedding's Parameter, but its CPU GEMM was
+          dispatched at load time from a packed copy of it (``cpu_linear``); nothing is loaded into
+          lm_head itself, so reload never re-dispatches it and logits come from the old embedding.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        model = self._crl_model()
+        embeds = {id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding}
+        for m in model.modules():
+            qm = getattr(m, "quant_method", None)
+            kernel = getattr(qm, "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and hasattr(experts, "process_weights_after_loading"):
+                experts.process_weights_after_loading(m)
+            if isinstance(m, ParallelLMHead) and id(m.weight) in embeds and qm is not None:
+                qm.process_weights_after_loading(m)

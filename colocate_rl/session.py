@@ -1,0 +1,106 @@
+"""Everything a run holds, built once: run folder, data, reward, actor, rollout engine, handoff
+state machine and metrics log. The loop orders phases; the session only owns the parts."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colocate_rl import config as C
+from colocate_rl.data import load_prompts, PromptSampler
+from colocate_rl.eval import summarize
+from colocate_rl.memory import Handoff
+from colocate_rl.metrics import MetricsLog, plot
+from colocate_rl.models.tiny import ensure_model
+from colocate_rl.placement import launch_colocated
+from colocate_rl.rewards import RewardScorer
+from colocate_rl.types import RolloutBatch, Sample
+
+
+@dataclass
+class Session:
+    cfg: C.Config
+    run_dir: Path
+    tokenizer: Any
+    sampler: PromptSampler
+    train_samples: list[Sample]
+    eval_sets: dict[str, list[Sample]]
+    scorer: Any
+    actor: Any
+    rollout: Any
+    handoff: Handoff
+    log: MetricsLog
+    step: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def sync_weights(self):
+        """The actor's new weights → vLLM (IPC handles keyed by device UUID)."""
+        return self.rollout.update_weights(self.actor.export_hf_weights())
+
+    def evaluate(self) -> dict[str, float]:
+        ev = self.cfg.eval
+        out: dict[str, float] = {}
+        for name, samples in self.eval_sets.items():
+            batch = self.rollout.generate(samples, n=ev.n_samples, temperature=ev.temperature,
+                                          max_tokens=ev.max_response_tokens or None)
+            rewards, _ = self.scorer.score(batch)
+            prefix = "eval" if len(self.eval_sets) == 1 else f"eval/{name}"
+            out.update(summarize(batch, rewards, prefix))
+        return out
+
+    def sft_batch(self, size: int, seed: int) -> RolloutBatch:
+        """Prompt + label + EOS rows for the supervised warm-start; the loss covers label and EOS."""
+        rng = random.Random(self.cfg.seed * 1_000_003 + seed)
+        rows = rng.sample(self.train_samples, min(size, len(self.train_samples)))
+        eos = self.tokenizer.eos_token_id
+        answers = [self.tokenizer(s.label, add_special_tokens=False).input_ids + [eos] for s in rows]
+        return RolloutBatch.from_rows([s.prompt_ids for s in rows], answers, rows, self.tokenizer.pad_token_id)
+
+    def maybe_checkpoint(self) -> None:
+        pass  # checkpoint/resume: see colocate_rl/checkpoint.py when enabled
+
+    def finish(self) -> dict:
+        out = {"run_dir": str(self.run_dir), "steps": self.step, "seconds": time.perf_counter() - self.started}
+        if self.cfg.logging.plot and (self.run_dir / "metrics.jsonl").exists():
+            png = plot(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+            out["plot"] = str(png) if png else None
+        print(f"run folder: {self.run_dir} (metrics.jsonl, curves.png, config.yaml)", flush=True)
+        return out
+
+    def close(self) -> None:
+        self.log.close()
+        self.scorer.close()
+        self.rollout.shutdown()
+
+
+def start_session(cfg: C.Config) -> Session:
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run_dir = Path(cfg.logging.run_dir) / (cfg.logging.run_name or
+                                           f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+    if cfg.model.synthesize:
+        ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
+    C.validate(cfg)  # again, now that the model's config.json exists
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    train = load_prompts(cfg.data, tokenizer)
+    eval_sets = {name: load_prompts(cfg.data, tokenizer, source=name, split="eval") for name in cfg.eval.sets}
+    scorer = RewardScorer.from_config(cfg.reward)
+    actor, rollout = launch_colocated(cfg, cfg.model.path)
+    log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
+    return Session(
+        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer,
+        sampler=PromptSampler(train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed),
+        train_samples=list(train), eval_sets={k: list(v) for k, v in eval_sets.items()}, scorer=scorer,
+        actor=actor, rollout=rollout, handoff=Handoff(), log=log,
+    )
+

@@ -1,0 +1,233 @@
+"""Same-host weight transfer by handle: CUDA/HIP IPC on GPUs, shared memory on CPU, one code path.
+
+A message is ``{device_uuid: payload}``: one entry per GPU, so with TP/EP every actor rank packs
+the bucket for the GPU it shares with a vLLM worker, the ranks' messages are merged
+(``merge_messages``), one RPC carries the whole dict, and each worker takes its own entry. UUIDs
+are global while device indices depend on each process's CUDA_/HIP_VISIBLE_DEVICES; that is why
+the key is the UUID and the receiver rebuilds on its own index.
+
+A payload is ``ForkingPickler.dumps(((rebuild_fn, args), metas))`` where ``(rebuild_fn, args)`` is
+torch's ``reduce_tensor`` of the bucket. Plain bytes travel through vLLM's msgpack RPC without
+``VLLM_ALLOW_INSECURE_SERIALIZATION``, and an entry is unpickled only by the worker it is for.
+
+Lifetimes. CUDA: the receiver's view keeps the sender's block alive through torch's IPC ref
+counter; the sender keeps its bucket until the RPC returns and calls ``torch.cuda.ipc_collect()``
+now and then. CPU: torch's default ``file_descriptor`` strategy hands a dup of the shared-memory fd
+to ``multiprocessing.resource_sharer``, which serves it once; a payload never loaded keeps its
+memory until the sender exits, so ``IpcSender.release()`` closes what no receiver took. The
+receiver's side is served over a socket authenticated with ``multiprocessing.current_process()
+.authkey``: vLLM's engine-core process inherits it from its parent, but two unrelated processes (two
+Ray actors) must be given the same key first (``set_authkey``), or fail with "digest sent was
+rejected".
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing import resource_sharer
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, pack, unpack
+
+Message = dict[str, bytes]  # device UUID -> pickled ((rebuild_fn, args), metas)
+
+_CUDA_DEVICE_ARG = 6  # index of storage_device in rebuild_cuda_tensor's arguments
+
+
+@dataclass
+class SyncStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    buckets: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __add__(self, other: "SyncStats") -> "SyncStats":
+        return SyncStats(self.bytes + other.bytes, self.seconds + other.seconds, self.buckets + other.buckets)
+
+
+def _host_id() -> str:
+    """Stable across the processes of one boot: the boot id, else the machine id, else the host name."""
+    for p in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            text = Path(p).read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return socket.gethostname()
+
+
+def device_uuid(device: torch.device | str | int | None = None) -> str:
+    """Global id of a device. GPU (CUDA and ROCm): the UUID of the *visible* index; CPU: 'cpu-<boot id>'."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(device, int):
+        dev = torch.device("cuda", device)
+    if dev.type == "cpu":
+        return "cpu-" + _host_id()
+    if dev.type != "cuda":
+        raise ValueError(f"device_uuid: unsupported device type {dev.type!r}")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def shared_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A bucket buffer that can be handed out as is: CPU allocations go straight to shared memory
+    (``share_memory_()`` afterwards would copy the whole bucket once more); GPU memory is IPC-able."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+
+
+def set_authkey(key: bytes) -> None:
+    """Give this process the multiprocessing key its peer uses: needed between unrelated processes
+    (e.g. two Ray actors) for CPU fd passing. Call it on both sides before the first sync."""
+    multiprocessing.current_process().authkey = key
+
+
+class _RecordingPickler(ForkingPickler):
+    """ForkingPickler that notes every fd it hands to resource_sharer, so it can be released."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fd_keys: list = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, resource_sharer.DupFd):
+            self.fd_keys.append(obj._id[1])
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> tuple[bytes, list]:
+    import io
+
+    buf = io.BytesIO()
+    p = _RecordingPickler(buf, pickle.HIGHEST_PROTOCOL)
+    p.dump(obj)
+    return buf.getvalue(), p.fd_keys
+
+
+class IpcSender:
+    """Sender half: buckets -> messages. One per process that owns tensors for one device."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.uuid = device_uuid(self.device)
+        self._fd_keys: list = []
+
+    def buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Iterator[Bucket]:
+        """pack() onto this device, allocating CPU buckets directly in shared memory."""
+        moved = ((n, t.to(self.device, non_blocking=True)) for n, t in named_tensors)
+        return pack(moved, bucket_mb, alloc=shared_alloc)
+
+    def make_message(self, bucket: Bucket) -> Message:
+        flat = bucket.flat
+        if flat.device.type == "cpu" and not flat.is_shared():
+            flat.share_memory_()
+        payload, keys = _dumps((reduce_tensor(flat), bucket.metas))
+        self._fd_keys += keys
+        return {self.uuid: payload}
+
+    def release(self) -> int:
+        """Close the shared-memory fds of messages no receiver loaded (CPU). Returns how many."""
+        sharer = getattr(resource_sharer, "_resource_sharer", None)
+        cache, lock = getattr(sharer, "_cache", None), getattr(sharer, "_lock", None)
+        freed = 0
+        if cache is not None and lock is not None:
+            with lock:
+                for key in self._fd_keys:
+                    entry = cache.pop(key, None)
+                    if entry is not None:
+                        entry[1]()  # resource_sharer's close(): closes the dup'd fd
+                        freed += 1
+        self._fd_keys = []
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # blocks the receivers have released go back to the allocator
+        return freed
+
+    def sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, send: Callable[[Message], Any]
+    ) -> SyncStats:
+        """Packs, sends each bucket's message with ``send`` (blocking until the receivers loaded it),
+        then frees it. E.g. ``send = lambda m: llm.collective_rpc("update_weights_from_ipc", args=(m,))``."""
+        stats = SyncStats()
+        t0 = time.perf_counter()
+        try:
+            for bucket in self.buckets(named_tensors, bucket_mb):
+                send(self.make_message(bucket))
+                stats.bytes += bucket.nbytes
+                stats.buckets += 1
+                del bucket
+                self.release()
+        finally:
+            self.release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+def merge_messages(messages: Iterable[Message]) -> Message:
+    """One dict for one RPC from the messages of several ranks (one GPU each)."""
+    out: Message = {}
+    for m in messages:
+        for uuid, payload in m.items():
+            if uuid in out:
+                raise ValueError(f"two weight-sync payloads for device {uuid}: one rank per GPU must send")
+            out[uuid] = payload
+    return out
+
+
+class IpcReceiver:
+    """Receiver half: takes its own entry of a message and rebuilds the bucket on its own device."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.uuid = device_uuid(self.device)
+
+    def payload(self, message: Message) -> bytes:
+        if self.uuid not in message:
+            raise KeyError(
+                f"weight-sync message has no entry for this device {self.uuid} (entries: {', '.join(message) or 'none'})"
+            )
+        return message[self.uuid]
+
+    @contextmanager
+    def open(self, message: Message) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yields (name, view) of the bucket; the mapping/handle is dropped on exit."""
+        (fn, args), metas = pickle.loads(self.payload(message))  # CPU: maps the shared memory now
+        if fn is rebuild_cuda_tensor:
+            args = list(args)
+            args[_CUDA_DEVICE_ARG] = self.device.index  # the sender's index means nothing in this process
+        flat = fn(*args)
+        bucket = Bucket(flat, metas)
+        try:
+            yield unpack(bucket)
+        finally:
+            del bucket, flat
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies out of the handle are done before it goes
+
+
+__all__ = [
+    "IpcReceiver", "IpcSender", "Message", "SyncStats", "TensorMeta", "device_uuid", "merge_messages", "set_authkey",
+    "shared_alloc",
+]
