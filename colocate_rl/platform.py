@@ -69,15 +69,50 @@ def apply_cpu_compat() -> None:
     _cpu_tensor_type_names()
 
 
+class _Stream(torch.cpu.Stream):
+    """The one CPU "stream": every instance is the same, events complete at once."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        super().__init__()
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, torch.cpu.Stream)
+
+    __hash__ = object.__hash__
+
+
+class _Event(torch.cpu.Event):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+_CPU_STREAM = None
+
+
 def _alias_cuda_runtime_to_cpu() -> None:
+    global _CPU_STREAM
+    _CPU_STREAM = _Stream()
     # Megatron allocates on torch.cuda.current_device() in ~120 places (rotary inv_freq.to(...),
     # causal masks, grad buffers, optimizer state); a CPU-only torch raises there: answer "cpu".
     torch.cuda.current_device = torch.cpu.current_device
-    # The MoE all-to-all dispatcher and the DDP overlap path create and sync torch.cuda
-    # Stream/Event objects; torch.cpu provides the same (no-op) API.
-    torch.cuda.Stream = torch.cpu.Stream
-    torch.cuda.Event = torch.cpu.Event
-    torch.cuda.current_stream = torch.cpu.current_stream
+    # The MoE all-to-all dispatcher moves its split sizes to host on a side torch.cuda.Stream and
+    # synchronises on the recorded Event; the DDP overlap path does the same. On CPU there is one
+    # stream and nothing to wait for.
+    torch.cuda.Stream = _Stream
+    torch.cuda.Event = _Event
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
     torch.cuda.stream = torch.cpu.stream
     torch.cuda.synchronize = torch.cpu.synchronize
 

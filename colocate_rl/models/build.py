@@ -1,0 +1,43 @@
+"""Build this rank's Megatron GPTModel for an HF model folder (parallel state must be initialised)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from colocate_rl import platform
+from colocate_rl.models.mapping import load_hf_weights
+from colocate_rl.models.registry import Family, family_for, read_hf_config
+
+
+def te_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None):
+    """GPTModel holding this pipeline stage's layers (embedding on the first, output on the last)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    use_te = te_available() and platform.has_gpu() if use_te is None else use_te
+    return GPTModel(
+        config,
+        family.layer_spec(config, use_te),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        **family.model_kwargs(hf),
+    )
+
+
+def build_and_load(path: str | Path, params_dtype: torch.dtype, use_te: Optional[bool] = None, **runtime):
+    """(model, family, hf_config) with the HF weights of ``path`` loaded; ``runtime`` goes to the config."""
+    hf = read_hf_config(path)
+    family = family_for(hf)
+    config = family.transformer_config(hf, params_dtype, **runtime)
+    model = build_model(family, hf, config, use_te)
+    load_hf_weights(model, family.params(hf), path)
+    return model, family, hf

@@ -1,0 +1,247 @@
+"""HF ⇄ Megatron weights: per-parameter specs, sharded loading, gathered export.
+
+A family lists every Megatron parameter of the *full* model as a ``ParamSpec`` under a canonical
+name (local-spec naming, global layer and expert numbers). A rank's model holds a subset: its
+pipeline stage's layers, its expert-parallel rank's experts, a tensor-parallel shard of each
+split weight. Names are translated between the canonical form and the rank's local form (layer
+offset, expert offset, TransformerEngine's fused-norm names).
+
+Fused layouts (Megatron, per tensor-parallel rank r of tp):
+  qkv      rows = for each query group g of rank r: [q heads of g (heads/groups × hd), k_g (hd), v_g (hd)]
+           — groups are contiguous per rank, so the full tensor is the rank shards concatenated.
+  gate_up  rows = [gate rows of chunk r, up rows of chunk r] — the full tensor is NOT the shards
+           concatenated; each shard is split in halves first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from colocate_rl.models.hf_checkpoint import HFCheckpoint
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # canonical Megatron name, e.g. decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight
+    hf: tuple[str, ...]  # HF tensor(s) it is made of
+    shape: tuple[int, ...]  # full (unsharded) Megatron shape
+    kind: str = "copy"  # copy | qkv | gate_up
+    tp_dim: Optional[int] = None  # dimension split over tensor parallelism; None = replicated
+    layer: Optional[int] = None  # global decoder layer: decides the pipeline stage
+    expert: Optional[int] = None  # global expert index: decides the expert-parallel rank
+    stage: str = ""  # "first" / "last" pipeline stage for parameters outside the decoder layers
+    qkv: tuple[int, int, int] = (0, 0, 0)  # (heads, query groups, head_dim) for kind == "qkv"
+    export: bool = True  # False for a copy of another parameter (tied output layer)
+
+
+# ---------------------------------------------------------------- shard / unshard
+
+
+def read_shard(ckpt: HFCheckpoint, spec: ParamSpec, rank: int, size: int) -> torch.Tensor:
+    """The tensor-parallel shard ``rank`` of ``size`` of this parameter, reading only its rows."""
+    if spec.kind == "copy":
+        if spec.tp_dim is None or size == 1:
+            return ckpt.read(spec.hf[0])
+        n = spec.shape[spec.tp_dim] // size
+        return ckpt.read(spec.hf[0], spec.tp_dim, rank * n, (rank + 1) * n)
+    if spec.kind == "gate_up":
+        n = spec.shape[0] // 2 // size
+        return torch.cat([ckpt.read(h, 0, rank * n, (rank + 1) * n) for h in spec.hf])
+    if spec.kind == "qkv":
+        heads, groups, hd = spec.qkv
+        q_rows = heads // groups * hd
+        per_rank = groups // size
+        parts = []
+        for g in range(rank * per_rank, (rank + 1) * per_rank):
+            parts += [ckpt.read(spec.hf[0], 0, g * q_rows, (g + 1) * q_rows),
+                      ckpt.read(spec.hf[1], 0, g * hd, (g + 1) * hd),
+                      ckpt.read(spec.hf[2], 0, g * hd, (g + 1) * hd)]
+        return torch.cat(parts)
+    raise ValueError(f"unknown ParamSpec.kind {spec.kind!r} for {spec.name}")
+
+
+def unshard(spec: ParamSpec, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Tensor-parallel shards (rank order) → the HF tensors, full size."""
+    if spec.kind == "copy":
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=spec.tp_dim)
+        return [(spec.hf[0], full)]
+    if spec.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(spec.hf[0], torch.cat([h[0] for h in halves])), (spec.hf[1], torch.cat([h[1] for h in halves]))]
+    if spec.kind == "qkv":
+        heads, groups, hd = spec.qkv
+        full = torch.cat(shards) if len(shards) > 1 else shards[0]
+        per_group = full.view(groups, (heads // groups + 2) * hd, *full.shape[1:])
+        q_rows = heads // groups * hd
+        q, k, v = per_group.split([q_rows, hd, hd], dim=1)
+        rest = full.shape[1:]
+        return [(spec.hf[0], q.reshape(heads * hd, *rest)), (spec.hf[1], k.reshape(groups * hd, *rest)),
+                (spec.hf[2], v.reshape(groups * hd, *rest))]
+    raise ValueError(f"unknown ParamSpec.kind {spec.kind!r} for {spec.name}")
+
+
+# ---------------------------------------------------------------- names
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_TE_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+# TransformerEngine's spec fuses the pre-attention / pre-MLP norms into the next linear.
+_TE_NORMS = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+             ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
+
+
+@dataclass
+class Placement:
+    """Where this rank's model sits in the full model."""
+
+    layer_offset: int = 0  # global index of local layer 0
+    expert_offset: int = 0  # global index of local expert 0
+
+    def to_canonical(self, local: str) -> str:
+        name = local
+        for te, plain in _TE_NORMS.items():
+            if name.endswith(te):
+                name = name[: -len(te)] + plain
+        m = _TE_GROUPED.search(name)
+        if m:
+            name = name[: m.start()] + f".mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"
+        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", name)
+        return _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + self.expert_offset}.", name)
+
+
+def placement(model) -> Placement:
+    """Layer and expert offsets of this rank's GPTModel (chunk)."""
+    from megatron.core import parallel_state as ps
+
+    layers = model.decoder.layers
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    expert_offset = 0
+    num_experts = getattr(model.config, "num_moe_experts", None)
+    if num_experts:
+        expert_offset = ps.get_expert_model_parallel_rank() * (num_experts // ps.get_expert_model_parallel_world_size())
+    return Placement(layer_offset, expert_offset)
+
+
+def _tp(spec: ParamSpec) -> tuple[int, int, object]:
+    """(rank, size, group) of the tensor parallelism that splits this parameter."""
+    from megatron.core import parallel_state as ps
+
+    if spec.expert is not None:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group(check_initialized=False))
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group(check_initialized=False))
+
+
+# ---------------------------------------------------------------- load
+
+
+@torch.no_grad()
+def load_hf_weights(model, specs: list[ParamSpec], path) -> int:
+    """Copy this rank's shards of an HF checkpoint into ``model`` (one GPTModel). Returns the count.
+
+    Every parameter of the model must have a spec, and every HF tensor it needs must exist.
+    """
+    by_name = {s.name: s for s in specs}
+    where = placement(model)
+    todo = []
+    for local, param in model.named_parameters():
+        canonical = where.to_canonical(local)
+        if canonical not in by_name:
+            raise ValueError(f"no HF mapping for Megatron parameter {local} (canonical {canonical})")
+        todo.append((local, param, by_name[canonical]))
+    with HFCheckpoint(path) as ckpt:
+        ckpt.require(h for _, _, s in todo for h in s.hf)
+        for local, param, spec in todo:
+            rank, size, _ = _tp(spec)
+            if getattr(param, "tensor_model_parallel", False) and size > 1 and param.partition_dim != spec.tp_dim:
+                raise ValueError(f"{local}: Megatron splits dim {param.partition_dim}, the mapping says {spec.tp_dim}")
+            t = read_shard(ckpt, spec, rank, size)
+            if tuple(t.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{local}: checkpoint gives shape {tuple(t.shape)} (from {', '.join(spec.hf)}), "
+                    f"the model has {tuple(param.shape)}"
+                )
+            param.copy_(t)
+    return len(todo)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _local_shape(spec: ParamSpec, size: int) -> list[int]:
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] //= size
+    return shape
+
+
+@torch.no_grad()
+def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (hf_name, full tensor) one at a time, on every rank, in ``specs`` order.
+
+    Collective: every rank of the job must iterate to the end (each tensor is gathered over tensor
+    parallelism, broadcast from its expert-parallel owner and from its pipeline stage). Tensors are
+    on this rank's device in the parameters' dtype (or ``dtype``); a yielded tensor may share
+    storage with a parameter, so consumers copy it before the next optimizer step.
+    """
+    from megatron.core import parallel_state as ps
+
+    params = dict(model.named_parameters())
+    where = placement(model)
+    local = {where.to_canonical(n): p for n, p in params.items()}
+    any_param = next(iter(params.values()))
+    dev, pdtype = any_param.device, any_param.dtype
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    ep_size = ps.get_expert_model_parallel_world_size()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    # Which stage holds which global layer (stages may hold unequal counts).
+    layer_stage = {}
+    if pp_size > 1:
+        mine = sorted({int(m.group(1)) for n in local if (m := _LAYER.match(n))})
+        gathered: list = [None] * pp_size
+        dist.all_gather_object(gathered, mine, group=ps.get_pipeline_model_parallel_group())
+        layer_stage = {layer: stage for stage, layers in enumerate(gathered) for layer in layers}
+    num_experts = getattr(model.config, "num_moe_experts", None) or 0
+    per_ep = num_experts // ep_size if num_experts else 0
+
+    for spec in specs:
+        if not spec.export:
+            continue
+        if spec.layer is not None:
+            stage = layer_stage.get(spec.layer, 0)
+        else:
+            stage = pp_size - 1 if spec.stage == "last" else 0
+        tp_rank, tp_size, tp_group = _tp(spec)
+        shards = None
+        if stage == pp_rank:
+            owner_ep = spec.expert // per_ep if spec.expert is not None else ep_rank
+            if owner_ep == ep_rank:
+                p = local[spec.name].detach()
+                if spec.tp_dim is not None and tp_size > 1:
+                    shards = [torch.empty_like(p) for _ in range(tp_size)]
+                    dist.all_gather(shards, p.contiguous(), group=tp_group)
+                else:
+                    shards = [p]
+            if spec.expert is not None and ep_size > 1:
+                if shards is None:
+                    size = tp_size if spec.tp_dim is not None else 1
+                    shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=pdtype) for _ in range(size)]
+                group = ps.get_expert_model_parallel_group()
+                for s in shards:
+                    dist.broadcast(s, group_src=owner_ep, group=group)
+        if pp_size > 1:
+            size = tp_size if spec.tp_dim is not None else 1
+            if shards is None:
+                shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=pdtype) for _ in range(size)]
+            for s in shards:
+                dist.broadcast(s, group_src=stage, group=ps.get_pipeline_model_parallel_group())
+        for name, t in unshard(spec, shards):
+            yield name, (t if dtype is None or t.dtype == dtype else t.to(dtype))

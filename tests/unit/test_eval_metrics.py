@@ -1,0 +1,45 @@
+import json
+import math
+
+import pytest
+import torch
+
+from colocate_rl.eval import pass_at_k, summarize
+from colocate_rl.metrics import MetricsLog, PhaseTimer, console_line, plot, read
+from colocate_rl.types import RolloutBatch, Sample
+
+
+def test_pass_at_k_unbiased():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 4) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
+    assert pass_at_k(8, 2, 2) == pytest.approx(1 - math.comb(6, 2) / math.comb(8, 2))
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 4)
+
+
+def test_summarize_groups():
+    s = [Sample([1], label="2"), Sample([3], label="4")]
+    b = RolloutBatch.from_rows([[1]] * 4 + [[3]] * 4, [[5]] * 3 + [[6, 7]] * 5, [s[0]] * 4 + [s[1]] * 4, 0,
+                               finish_reasons=["stop"] * 7 + ["length"], n=4)
+    m = summarize(b, torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]))
+    assert m["eval/accuracy"] == pytest.approx(5 / 8) and m["eval/truncated"] == pytest.approx(1 / 8)
+    assert m["eval/pass@1"] == pytest.approx((0.25 + 1) / 2) and m["eval/pass@4"] == pytest.approx(1.0)
+    assert "eval/pass@8" not in m
+
+
+def test_metrics_file_console_and_plot(tmp_path):
+    log = MetricsLog(tmp_path, {"a": 1})
+    t = PhaseTimer()
+    for step in range(1, 4):
+        with t("generate"):
+            pass
+        log.log(step, {"reward/mean": 0.1 * step, "train_rollout_logprob_abs_diff": torch.tensor(1e-6),
+                       **t.metrics(), "time/step": 0.5})
+    log.log(3, {"eval/accuracy": 0.5})
+    log.close()
+    rows = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 3] and rows[0]["train_rollout_logprob_abs_diff"] == pytest.approx(1e-6)
+    line = console_line(3, 10, {**rows[2], **rows[3]})
+    assert "step 3/10" in line and "reward 0.300" in line and "eval acc 0.500" in line
+    png = plot(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert png.stat().st_size > 10_000
