@@ -21,15 +21,17 @@ def preset_config(yaml_path: Path, preset: str, recipe: str) -> Config:
 
 def check_hardware(cfg: Config) -> None:
     """Fail in one line, before anything heavy loads, when this machine cannot run the placement."""
+    import torch
+
     from colocate_rl import platform
 
     need = cfg.placement.gpus_per_node
-    have = platform.device_count()
+    have = torch.cuda.device_count() if platform.has_gpu() else 0
     if need > have:
         where = f"{cfg.placement.nnodes} node(s) x {need} GPUs" if cfg.placement.nnodes > 1 else f"{need} GPUs"
         raise SystemExit(
             f"error: preset {cfg.preset or '(custom)'} needs {where} per node; this machine has {have} "
-            f"({platform.describe()}). Try preset=tiny, or set placement.gpus_per_node."
+            f"({platform.kind()}). Try preset=tiny, or set placement.gpus_per_node."
         )
 
 

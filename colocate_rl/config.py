@@ -92,6 +92,7 @@ class ArithmeticConfig:
     num_train: int = 2000
     num_eval: int = 128  # capped at a quarter of all distinct problems (held out from training)
     max_operand: int = 9
+    max_operand_b: int = -1  # range of the second operand; -1 = max_operand
     ops: str = "+"
     seed: int = 1234
 

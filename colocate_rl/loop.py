@@ -15,7 +15,7 @@ from colocate_rl.algorithms import ADVANTAGES, logprob_abs_diff
 from colocate_rl.config import Config
 from colocate_rl.memory import Phase
 from colocate_rl.metrics import PhaseTimer, console_line
-from colocate_rl.placement import Session, start_session
+from colocate_rl.session import Session, start_session
 
 
 def run(cfg: Config) -> dict:

@@ -95,7 +95,7 @@ def start_session(cfg: C.Config) -> Session:
     train = load_prompts(cfg.data, tokenizer)
     eval_sets = {name: load_prompts(cfg.data, tokenizer, source=name, split="eval") for name in cfg.eval.sets}
     scorer = RewardScorer.from_config(cfg.reward)
-    actor, rollout = launch_colocated(cfg, cfg.model.path)
+    actor, rollout = launch_colocated(cfg)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
     return Session(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer,

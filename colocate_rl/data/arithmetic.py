@@ -15,8 +15,12 @@ from colocate_rl.config import ArithmeticConfig
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+def _max_b(cfg: ArithmeticConfig) -> int:
+    return cfg.max_operand if cfg.max_operand_b < 0 else cfg.max_operand_b
+
+
 def _draw(rng: random.Random, cfg: ArithmeticConfig) -> tuple[int, str, int]:
-    return rng.randint(0, cfg.max_operand), rng.choice(cfg.ops), rng.randint(0, cfg.max_operand)
+    return rng.randint(0, cfg.max_operand), rng.choice(cfg.ops), rng.randint(0, _max_b(cfg))
 
 
 def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tuple[str, str]]:
@@ -26,7 +30,7 @@ def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tup
         raise ValueError(f"arithmetic: ops={cfg.ops!r} must use only '+-*' and max_operand={cfg.max_operand} be >= 0")
     if split not in ("train", "eval"):
         raise ValueError(f"arithmetic: split '{split}' is not train or eval")
-    space = (cfg.max_operand + 1) ** 2 * len(set(cfg.ops))
+    space = (cfg.max_operand + 1) * (_max_b(cfg) + 1) * len(set(cfg.ops))
     n_eval = min(cfg.num_eval, space // 4)
     held_out: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
     rng = random.Random(cfg.seed)
