@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -45,6 +47,10 @@ def main(config_fn, argv: list[str]) -> dict:
         raise SystemExit(f"error: {e}") from None
     check_hardware(cfg)
     print_config(cfg)
+    # megatron-core warns once per missing optional kernel package (TE, apex) and vLLM logs each
+    # engine call at INFO: keep the console to the run's own lines unless asked otherwise.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 
     return run(cfg)
