@@ -46,6 +46,8 @@ class RolloutConfig:
     max_model_len: int = 0  # 0 = data.max_prompt_tokens + max_response_tokens
     enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower decode)
     sleep_level: int = 2  # 2 discards weights (the next sync overwrites them); 1 copies them to host
+    sync_bucket_mb: int = 256  # weight-sync bucket size (one IPC handle per bucket)
+    verify_sync_every: int = 0  # steps; compare checksums of a few tensors, actor vs engine, after a sync
     num_engines: int = 1  # disaggregated mode: engines behind the router
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is

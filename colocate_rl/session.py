@@ -31,16 +31,27 @@ class Session:
     train_samples: list[Sample]
     eval_sets: dict[str, list[Sample]]
     scorer: Any
-    actor: Any
-    rollout: Any
+    workers: Any  # placement's LocalColocated or RayColocated: .actor, .rollout, .sync(), .shutdown()
     handoff: Handoff
     log: MetricsLog
     step: int = 0
     started: float = field(default_factory=time.perf_counter)
 
+    @property
+    def actor(self):
+        return self.workers.actor
+
+    @property
+    def rollout(self):
+        return self.workers.rollout
+
     def sync_weights(self):
         """The actor's new weights → vLLM (IPC handles keyed by device UUID)."""
-        return self.rollout.update_weights(self.actor.export_hf_weights())
+        stats = self.workers.sync(self.cfg.rollout.sync_bucket_mb)
+        every = self.cfg.rollout.verify_sync_every
+        if every and self.step % every == 0:
+            self.workers.verify()  # raises WeightMismatch naming the tensor
+        return stats
 
     def evaluate(self) -> dict[str, float]:
         ev = self.cfg.eval
@@ -75,7 +86,7 @@ class Session:
     def close(self) -> None:
         self.log.close()
         self.scorer.close()
-        self.rollout.shutdown()
+        self.workers.shutdown()
 
 
 def start_session(cfg: C.Config) -> Session:
@@ -95,12 +106,12 @@ def start_session(cfg: C.Config) -> Session:
     train = load_prompts(cfg.data, tokenizer)
     eval_sets = {name: load_prompts(cfg.data, tokenizer, source=name, split="eval") for name in cfg.eval.sets}
     scorer = RewardScorer.from_config(cfg.reward)
-    actor, rollout = launch_colocated(cfg)
+    workers = launch_colocated(cfg)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
     return Session(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer,
         sampler=PromptSampler(train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed),
         train_samples=list(train), eval_sets={k: list(v) for k, v in eval_sets.items()}, scorer=scorer,
-        actor=actor, rollout=rollout, handoff=Handoff(), log=log,
+        workers=workers, handoff=Handoff(), log=log,
     )
 

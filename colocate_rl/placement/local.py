@@ -3,17 +3,38 @@ engine share the device; weights still travel as IPC handles (shared memory on C
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from colocate_rl.config import Config, actor_world_size
 from colocate_rl.rollout import RolloutEngine
 from colocate_rl.trainer import Actor
+from colocate_rl.weight_sync.ipc import SyncStats
+from colocate_rl.weight_sync.verify import compare, tensor_checksum, verifiable
 
 
-def launch(cfg: Config):
+@dataclass
+class LocalColocated:
+    actor: Actor
+    rollout: RolloutEngine
+
+    def sync(self, bucket_mb: float = 256) -> SyncStats:
+        return self.rollout.update_weights(self.actor.export_hf_weights(), bucket_mb)
+
+    def verify(self) -> int:
+        """Checksums of a few tensors inside the engine equal the actor's; returns how many were checked."""
+        sums = {n: tensor_checksum(t) for n, t in self.actor.export_hf_weights() if n in verifiable([n])}
+        compare(sums, self.rollout.checksum(list(sums)))
+        return len(sums)
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()
+
+
+def launch(cfg: Config) -> LocalColocated:
     if actor_world_size(cfg) != 1:
         raise ValueError(f"placement.launcher=local runs a world of one; this layout needs "
                          f"{actor_world_size(cfg)} actor ranks: use placement.launcher=ray")
     actor = Actor(cfg)
     # The rollout owns the device first: the actor starts offloaded, vLLM profiles free memory.
     actor.offload()
-    rollout = RolloutEngine(cfg, cfg.model.path)
-    return actor, rollout
+    return LocalColocated(actor, RolloutEngine(cfg, cfg.model.path))

@@ -11,3 +11,23 @@ def tensor_checksum(t: torch.Tensor) -> float:
     x = t.detach().reshape(-1).to(torch.float64)
     w = (torch.arange(x.numel(), device=x.device) % 251 + 1).to(torch.float64)
     return float((x * w).sum())
+
+
+class WeightMismatch(RuntimeError):
+    pass
+
+
+def verifiable(names) -> list[str]:
+    """Tensors vLLM keeps unfused and unpacked (embeddings, final norm, lm_head, first layer's
+    norms): the ones whose checksum can be read inside the engine."""
+    keep = ("embed_tokens.weight", "model.norm.weight", "lm_head.weight", "layers.0.input_layernorm.weight",
+            "layers.0.post_attention_layernorm.weight")
+    return [n for n in names if n.endswith(keep)]
+
+
+def compare(actor: dict[str, float], engine: dict[str, float], who: str = "actor") -> None:
+    """Raises WeightMismatch naming the first tensor whose checksums differ (beyond float64 rounding)."""
+    for name, a in actor.items():
+        e = engine.get(name)
+        if e is None or abs(a - e) > 1e-9 + 1e-12 * abs(a):
+            raise WeightMismatch(f"after the sync, '{name}' differs: {who} checksum {a!r}, engine {e!r}")

@@ -37,3 +37,15 @@ def test_shape_mismatch_names_field():
     b = batch()
     with pytest.raises(ValueError, match="RolloutBatch.loss_mask"):
         RolloutBatch(**{**b.__dict__, "loss_mask": b.loss_mask[:, :2]})
+
+
+def test_weight_checksum_compare_names_the_tensor():
+    from colocate_rl.weight_sync.verify import WeightMismatch, compare, tensor_checksum, verifiable
+
+    a = torch.arange(6.0).view(2, 3)
+    assert tensor_checksum(a) != tensor_checksum(a.flip(0)), "a row swap changes the checksum"
+    compare({"x": tensor_checksum(a)}, {"x": tensor_checksum(a.clone())})
+    with pytest.raises(WeightMismatch, match="'x' differs"):
+        compare({"x": tensor_checksum(a)}, {"x": tensor_checksum(a + 1e-3)})
+    assert verifiable(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]) == \
+        ["model.embed_tokens.weight"]

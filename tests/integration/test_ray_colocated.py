@@ -1,0 +1,36 @@
+"""The colocated loop through Ray on CPU: two actor ranks (data parallel, gloo) in their own Ray
+actors, the vLLM engine in a third; CPU shared-memory handles cross between Ray actors."""
+
+from __future__ import annotations
+
+import pytest
+
+from colocate_rl import loop
+from colocate_rl.memory import Phase
+from colocate_rl.session import start_session
+
+from test_loop import CYCLE, tiny_cfg  # noqa: E402 - same folder
+
+
+@pytest.mark.slow  # ~60 s: Ray start, three processes each importing vLLM / megatron-core
+def test_two_ranks_through_ray(tmp_path, tiny_model):
+    ray = pytest.importorskip("ray")
+    cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.launcher": "ray", "actor.dp": "2", "actor.lr": "1e-3",
+                                            "reward.name": "test_even_length", "rollout.verify_sync_every": "1"})
+    s = start_session(cfg)
+    try:
+        for _ in range(2):
+            start = len(s.handoff.history)
+            m = loop.colocated_step(s, cfg)
+            assert [h[0] for h in s.handoff.history[start:]] == CYCLE
+            assert m["train_rollout_logprob_abs_diff"] <= 1e-4
+            assert m["grad_norm"] > 0 and m["sync/bytes"] > 0
+        # verify_sync_every=1 already compared every rank's checksums with the engine's inside each
+        # step (it raises on a mismatch); check once more by hand that both ranks were compared.
+        s.actor.onload(["params"])
+        assert s.workers.verify() >= 3
+        s.actor.offload(["params"])
+        assert s.handoff.phase == Phase.ROLLOUT
+    finally:
+        s.close()
+        ray.shutdown()
