@@ -58,13 +58,13 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group,
                                                                cfg.algorithm.adv_eps)
     with t("onload"):
-        s.actor.onload()
+        onload_bytes, onload_s = s.actor.onload()
         s.handoff.to(Phase.ACTOR)
     with t("logprobs"):
         old_logprobs = s.actor.compute_logprobs(batch)
     with t("train"):
         train_metrics = s.actor.train_step(batch, old_logprobs)
-    sync = hand_back_to_rollout(s, t)
+    sync, offload_bytes, offload_s = hand_back_to_rollout(s, t)
     gen_tokens = int(batch.response_lens.sum())
     return {
         "reward/mean": float(batch.rewards.mean()),
@@ -76,15 +76,19 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         "rollout/tokens_per_s": gen_tokens / max(t.seconds["generate"], 1e-9),
         "sync/bytes": sync.bytes,
         "sync/GBps": sync.bytes / max(sync.seconds, 1e-9) / 1e9,
+        "actor/onload_GBps": onload_bytes / max(onload_s, 1e-9) / 1e9,
+        "actor/offload_GBps": offload_bytes / max(offload_s, 1e-9) / 1e9,
+        "actor/offloaded_bytes": offload_bytes,
         **t.metrics(),
         "time/step": sum(t.seconds.values()),
     }
 
 
 def hand_back_to_rollout(s: Session, t: PhaseTimer):
-    """actor → vLLM, staged: weights first, then the sync, then the KV cache."""
+    """actor → vLLM, staged: weights first, then the sync, then the KV cache.
+    Returns (sync stats, bytes offloaded, seconds offloading)."""
     with t("offload"):
-        s.actor.offload(("grads", "optimizer"))
+        b1, s1 = s.actor.offload(("grads", "optimizer"))
         s.handoff.to(Phase.ACTOR_PARAMS)
     with t("wake_weights"):
         s.rollout.wake(["weights"])
@@ -92,12 +96,12 @@ def hand_back_to_rollout(s: Session, t: PhaseTimer):
     with t("sync"):
         sync = s.sync_weights()
     with t("offload"):
-        s.actor.offload(("params",))
+        b2, s2 = s.actor.offload(("params",))
         s.handoff.to(Phase.ROLLOUT_WEIGHTS)
     with t("wake_kv"):
         s.rollout.wake(["kv_cache"])
         s.handoff.to(Phase.ROLLOUT)
-    return sync
+    return sync, b1 + b2, s1 + s2
 
 
 def warm_start(s: Session) -> None:

@@ -2,9 +2,11 @@
 
 ROCm builds of torch answer to the ``torch.cuda`` API (HIP underneath) and report
 ``torch.version.hip``; RCCL is reached through torch's "nccl" backend. On a machine without a GPU,
-megatron-core 0.19.2 still assumes CUDA in a few dozen places; ``apply_cpu_compat()`` patches
-exactly those, once, and only when no GPU is present, so that the same trainer code runs on CPU
-with gloo (tests, tiny recipes). Every patch names the Megatron behaviour it works around.
+megatron-core 0.19.2 still assumes CUDA in a few dozen places; ``apply_cpu_compat()`` works
+around exactly those, only when no GPU is present, so that the same trainer code runs on CPU with
+gloo (tests, tiny recipes). Megatron's modules get a ``torch`` whose ``torch.cuda`` answers for the
+CPU (module-scoped: vLLM and everything else in the process keep the real one); the rest are a
+few targeted patches. Each names the Megatron behaviour it works around.
 """
 
 from __future__ import annotations
@@ -53,20 +55,45 @@ def setup_platform() -> str:
 
 # ---------------------------------------------------------------- megatron-core on CPU
 
-_APPLIED = False
+_PATCHED_MODULES: set[str] = set()
+_GLOBAL_DONE = False
+
+# Megatron modules the actor uses, imported before patching so their ``torch`` can be swapped.
+_MEGATRON_MODULES = (
+    "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler",
+    "megatron.core.distributed", "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts", "megatron.core.tensor_parallel",
+)
 
 
 def apply_cpu_compat() -> None:
-    """Idempotent; a no-op when a GPU is present (the real CUDA paths are then used unchanged)."""
-    global _APPLIED
-    if _APPLIED or has_gpu():
+    """Idempotent; a no-op when a GPU is present (the real CUDA paths are then used unchanged).
+
+    Megatron modules see a CPU-answering ``torch`` (module-scoped: other libraries in the process,
+    vLLM included, keep the real one); two Tensor-method patches apply only while the Megatron
+    calls that need them run. Call again after importing more of Megatron.
+    """
+    global _GLOBAL_DONE
+    if has_gpu():
         return
-    _APPLIED = True
+    import importlib
+    import sys
+
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it for TP overlap
-    _alias_cuda_runtime_to_cpu()
-    _cpu_rng_tracker()
-    _cuda_literals_to_cpu()
-    _cpu_tensor_type_names()
+    for mod in _MEGATRON_MODULES:
+        importlib.import_module(mod)
+    proxy = _TorchOnCpu()
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.core") and name not in _PATCHED_MODULES and getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+            _PATCHED_MODULES.add(name)
+    if not _GLOBAL_DONE:
+        _GLOBAL_DONE = True
+        _cpu_rng_tracker()
+        _cpu_tensor_methods()
+        _moe_split_sizes_as_numpy()
 
 
 class _Stream(torch.cpu.Stream):
@@ -98,23 +125,52 @@ class _Event(torch.cpu.Event):
         return 0.0
 
 
-_CPU_STREAM = None
+class _CudaOnCpu:
+    """``torch.cuda`` as Megatron sees it without a GPU; anything not listed is the real one."""
 
-
-def _alias_cuda_runtime_to_cpu() -> None:
-    global _CPU_STREAM
-    _CPU_STREAM = _Stream()
+    _stream = _Stream()
     # Megatron allocates on torch.cuda.current_device() in ~120 places (rotary inv_freq.to(...),
-    # causal masks, grad buffers, optimizer state); a CPU-only torch raises there: answer "cpu".
-    torch.cuda.current_device = torch.cpu.current_device
-    # The MoE all-to-all dispatcher moves its split sizes to host on a side torch.cuda.Stream and
-    # synchronises on the recorded Event; the DDP overlap path does the same. On CPU there is one
-    # stream and nothing to wait for.
-    torch.cuda.Stream = _Stream
-    torch.cuda.Event = _Event
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.stream = torch.cpu.stream
-    torch.cuda.synchronize = torch.cpu.synchronize
+    # grad buffers, optimizer state, all-to-all outputs): answer "cpu".
+    current_device = staticmethod(torch.cpu.current_device)
+    # The MoE all-to-all dispatcher moves its split sizes to host on a side Stream and waits on the
+    # recorded Event; the DDP overlap path does the same. On CPU there is one stream, nothing to wait for.
+    Stream, Event = _Stream, _Event
+    stream = staticmethod(torch.cpu.stream)
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CudaOnCpu._stream
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """``torch`` as a Megatron module sees it: ``torch.cuda`` answers for the CPU, and factory calls
+    with a literal device="cuda" (causal masks, the schedules' token counter, the optimizers'
+    found_inf / loss-scale / grad-norm scalars) allocate on the CPU."""
+
+    cuda = _CudaOnCpu()
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
+    _wrapped: dict = {}
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return fn
+        if name not in self._wrapped:
+            @functools.wraps(fn)
+            def on_cpu(*args, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return fn(*args, **kwargs)
+
+            self._wrapped[name] = on_cpu
+        return self._wrapped[name]
 
 
 def _cpu_rng_tracker() -> None:
@@ -138,43 +194,6 @@ def _cpu_rng_tracker() -> None:
         torch.set_rng_state(orig)
 
     mrandom.CudaRNGStatesTracker.add = add
-    # model_parallel_cuda_manual_seed seeds the default CUDA generator first.
-    torch.cuda.manual_seed = lambda seed: None
-
-
-class _TorchOnCpu:
-    """``torch`` as one Megatron module sees it, with device="cuda" in factory calls read as cpu."""
-
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
-
-    def __getattr__(self, name):
-        fn = getattr(torch, name)
-        if name not in self._FACTORIES:
-            return fn
-
-        @functools.wraps(fn)
-        def on_cpu(*args, **kwargs):
-            if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
-            return fn(*args, **kwargs)
-
-        return on_cpu
-
-
-def _cuda_literals_to_cpu() -> None:
-    import importlib
-
-    # These modules write device="cuda" literally: the causal mask (get_default_causal_mask), the
-    # schedules' token counter, the optimizers' found_inf / grad-scale / grad-norm scalars (and the
-    # local multi_tensor_l2norm fallback in megatron.core.utils), the
-    # broadcast sizes of tensor_parallel.data and the dispatcher's over_budget flag.
-    for name in ("utils", "transformer.utils", "pipeline_parallel.schedules", "optimizer.optimizer",
-                 "optimizer.grad_scaler", "optimizer.clip_grads", "tensor_parallel.data",
-                 "transformer.moe.token_dispatcher"):
-        importlib.import_module("megatron.core." + name).torch = _TorchOnCpu()
-    # Tied embeddings with PP>1 re-place the shared weight with .cuda() before the all-reduce; on a
-    # CPU-only torch .cuda() raises, and the tensor is already where it belongs.
-    torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 class _TypeName(str):
@@ -186,14 +205,62 @@ class _TypeName(str):
     __hash__ = str.__hash__
 
 
-def _cpu_tensor_type_names() -> None:
-    # Megatron's optimizers (Float16OptimizerWithFloat16Params, DistributedOptimizer, clip_grads)
-    # accept parameters only if Tensor.type() == 'torch.cuda.FloatTensor' (or Half/BFloat16).
-    orig = torch.Tensor.type
+@contextlib.contextmanager
+def megatron_tensor_methods_on_cpu():
+    """While Megatron code runs inside: Tensor.type() names also match the torch.cuda.* names, and
+    Tensor.cuda() leaves a CPU tensor where it is (a CPU-only torch raises there). Applied to
+    optimizer construction and tied-embedding setup; wrap other Megatron calls that check tensor
+    types (e.g. loading optimizer state) in it too."""
+    orig_type, orig_cuda = torch.Tensor.type, torch.Tensor.cuda
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs:
-            return _TypeName(orig(self))
-        return orig(self, dtype, non_blocking, **kwargs)
+            return _TypeName(orig_type(self))
+        return orig_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_
+    torch.Tensor.type, torch.Tensor.cuda = type_, lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = orig_type, orig_cuda
+
+
+def _within_cpu_tensor_methods(owner, name: str) -> None:
+    orig = getattr(owner, name)
+
+    @functools.wraps(orig)
+    def wrapped(*args, **kwargs):
+        with megatron_tensor_methods_on_cpu():
+            return orig(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def _cpu_tensor_methods() -> None:
+    import megatron.core.optimizer as mopt
+    import megatron.core.optimizer.optimizer as moptimizer
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    # Megatron's optimizers (Float16OptimizerWithFloat16Params, DistributedOptimizer) accept
+    # parameters only if Tensor.type() == 'torch.cuda.FloatTensor' (or Half/BFloat16), and grad
+    # clipping asserts grad.type() == 'torch.cuda.FloatTensor' at every step.
+    _within_cpu_tensor_methods(mopt, "get_megatron_optimizer")
+    _within_cpu_tensor_methods(moptimizer, "clip_grad_by_total_norm_fp32")
+    # Tied embeddings with PP>1 move the shared weight with .cuda() before the all-reduce.
+    _within_cpu_tensor_methods(LanguageModule, "setup_embeddings_and_output_layer")
+
+
+def _moe_split_sizes_as_numpy() -> None:
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    # The all-to-all dispatcher turns its split sizes into numpy arrays only when they start on
+    # the GPU (maybe_move_tensor_to_cpu checks is_cuda); on CPU they stay tensors, which
+    # torch.distributed.all_to_all_single rejects as split sizes.
+    orig = td.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    td.maybe_move_tensor_to_cpu = to_host

@@ -24,13 +24,18 @@ def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None)
     from megatron.core.models.gpt import GPTModel
 
     use_te = te_available() and platform.has_gpu() if use_te is None else use_te
-    return GPTModel(
+    model = GPTModel(
         config,
         family.layer_spec(config, use_te),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         **family.model_kwargs(hf),
     )
+    if platform.has_gpu():
+        # Some modules create parameters on the host whatever the config says (the MoE router
+        # moves its weight lazily at its first forward, after the optimizer has wrapped it).
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def build_and_load(path: str | Path, params_dtype: torch.dtype, use_te: Optional[bool] = None, **runtime):

@@ -90,7 +90,6 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
             # The router's auxiliary loss would add a term to the RL loss: off, as in inference.
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
         )
@@ -123,6 +122,9 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
         pipeline_dtype=params_dtype,
         bf16=bf16,
         fp16=params_dtype == torch.float16,
+        # Also set on dense models: Megatron rejects variable_seq_lengths (pipeline stages with
+        # per-micro-batch lengths) under its default allgather dispatcher even without experts.
+        moe_token_dispatcher_type="alltoall",
         **moe,
         **runtime,
     )
@@ -133,11 +135,16 @@ def layer_spec(config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from colocate_rl.models.attention import SDPACoreAttention
+    from colocate_rl.models.norm import RMSNorm
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
+        spec.layer_norm = RMSNorm
         for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+            sub = layer.submodules
+            sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
+            attn = sub.self_attention.submodules
+            attn.core_attention, attn.q_layernorm, attn.k_layernorm = SDPACoreAttention, RMSNorm, RMSNorm
     return spec
 
 

@@ -32,6 +32,19 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
     ),
+    # Real shapes with random weights, for the GPU benchmarks (no hub needed).
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, tie_word_embeddings=True, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    ),
+    "qwen3-moe-small": dict(
+        model_type="qwen3_moe", vocab_size=151936, tie_word_embeddings=False, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     "qwen3-moe-tiny": dict(
         model_type="qwen3_moe", vocab_size=320, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **_COMMON,

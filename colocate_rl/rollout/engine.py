@@ -15,6 +15,8 @@ import gc
 import json
 import logging
 import os
+import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,12 @@ import torch
 
 from colocate_rl.config import Config
 from colocate_rl.types import RolloutBatch, Sample
-from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats
+from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+# vLLM's multiprocess RPC re-raises a worker's exception as a plain Exception whose text wraps ours.
+_WORKER_ERROR = re.compile(r"Worker failed with error '+(.*?)'+, please check")
 
 EXTENSION = "colocate_rl.rollout.extension.WeightReceiver"
 CPU_KV_CACHE_MB = 256  # vLLM's CPU default sizing fails on small shared machines; give it an explicit budget
@@ -80,7 +85,8 @@ class RolloutEngine:
         self.on_cpu = current_platform.is_cpu()
         r = cfg.rollout
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = _load_tokenizer(str(tokenizer or cfg.model.tokenizer or self.model_path), cfg.model.trust_remote_code)
+            path = str(tokenizer or cfg.model.tokenizer or self.model_path)
+            tokenizer = _load_tokenizer(path, cfg.model.trust_remote_code)
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(self.model_path, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -102,6 +108,10 @@ class RolloutEngine:
             kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
             if r.kv_cache_memory_mb:
                 kwargs["kv_cache_memory_bytes"] = r.kv_cache_memory_mb * 2**20
+        # Logprobs of the distribution actually sampled from (after temperature), which is what the
+        # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
+        # returns the raw model's logprobs.
+        kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(r.engine_kwargs)
         kwargs.update(engine_kwargs)
         self.supports_sleep = bool(kwargs.get("enable_sleep_mode", False)) and not self.on_cpu
@@ -119,7 +129,23 @@ class RolloutEngine:
         self.asleep = False
         self._syncing = False
         self._warned_sleep = False
-        self.device_uuids: list[str] = self.llm.collective_rpc("device_uuid")
+        self.device_uuids: list[str] = self._rpc("device_uuid")
+        # vLLM in-process with TP=1 runs its worker in this very process: senders here must pass
+        # same_process=True (a CUDA IPC handle cannot be reopened by the process that made it).
+        self.workers_in_process = all(pid == os.getpid() for pid in self._rpc("worker_pid"))
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """collective_rpc on every worker; a weight-sync refusal surfaces as WeightSyncError with
+        the worker's one-line message, in-process or not."""
+        try:
+            return self.llm.collective_rpc(method, args=args)
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            m = _WORKER_ERROR.search(str(e))
+            if m and ("weight sync" in m.group(1) or "weight-sync" in m.group(1) or "checksum:" in m.group(1)):
+                raise WeightSyncError(m.group(1)) from e
+            raise
 
     # ------------------------------------------------------------------ generation
 
@@ -127,8 +153,10 @@ class RolloutEngine:
         self, samples: list[Sample], n: int | None = None, temperature: float | None = None,
         max_tokens: int | None = None, seed: int | None = None, top_p: float | None = None,
     ) -> RolloutBatch:
-        """n samples per prompt, rows of a prompt adjacent. ``seed``: per-prompt seeds seed + i
-        (reproducible batches); None uses the engine's generator (seeded by cfg.rollout.seed)."""
+        """n samples per prompt, rows of a prompt adjacent. ``seed``: reproducible batch (vLLM seeds
+        sample k of prompt i with seed + i*n + k); None draws from the engine's generator (seeded
+        by cfg.rollout.seed). Logprobs are vLLM's default raw logprobs: log_softmax of the model's
+        logits before temperature/top-p."""
         from vllm import SamplingParams
 
         if self._syncing:
@@ -139,9 +167,10 @@ class RolloutEngine:
         n = r.n if n is None else n
         params = [
             SamplingParams(
-                n=n, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p if top_p is None else top_p,
+                n=n, temperature=r.temperature if temperature is None else temperature,
+                top_p=r.top_p if top_p is None else top_p,
                 max_tokens=r.max_response_tokens if max_tokens is None else max_tokens, logprobs=0,
-                seed=None if seed is None else seed + i, stop_token_ids=self.eos_ids, detokenize=False,
+                seed=None if seed is None else seed + i * n, stop_token_ids=self.eos_ids, detokenize=False,
             )
             for i in range(len(samples))
         ]
@@ -218,20 +247,23 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
 
     def begin_weight_sync(self) -> None:
-        self.llm.collective_rpc("begin_weight_sync")
+        self._rpc("begin_weight_sync")
         self._syncing = True
 
-    def load_message(self, message: Message) -> list[dict[str, int]]:
-        """One bucket message ({device uuid: payload}, see weight_sync.ipc); every worker takes its entry."""
-        return self.llm.collective_rpc("update_weights_from_ipc", args=(message,))
+    def load_message(self, message: Message) -> list[dict[str, float]]:
+        """One bucket message ({device uuid: payload}, see weight_sync.ipc); every worker takes its
+        entry. Returns each worker's {"tensors", "bytes", "seconds"}."""
+        return self._rpc("update_weights_from_ipc", message)
 
-    def end_weight_sync(self) -> None:
-        self.llm.collective_rpc("end_weight_sync")
+    def end_weight_sync(self) -> float:
+        """Returns the slowest worker's seconds to finish (CPU: deferred layer processing)."""
+        seconds = max(self._rpc("end_weight_sync"), default=0.0)
         self._syncing = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return seconds
 
     def abort_weight_sync(self) -> None:
-        self.llm.collective_rpc("abort_weight_sync")
+        self._rpc("abort_weight_sync")
         self._syncing = False
         self.llm.reset_prefix_cache()
 
@@ -240,22 +272,30 @@ class RolloutEngine:
     ) -> SyncStats:
         """Packs HF-named tensors from this process and sends them bucket by bucket (one engine
         worker, TP=1; with TP/EP the actor ranks send through weight_sync.ipc themselves)."""
-        sender = IpcSender(device or ("cpu" if self.on_cpu else "cuda"))
+        sender = IpcSender(device or ("cpu" if self.on_cpu else "cuda"), same_process=self.workers_in_process)
+        receiver_s = 0.0
+
+        def send(message: Message) -> None:
+            nonlocal receiver_s
+            receiver_s += max(r["seconds"] for r in self.load_message(message))
+
+        t0 = time.perf_counter()
         self.begin_weight_sync()
         try:
-            stats = sender.sync(named_tensors, bucket_mb, self.load_message)
+            stats = sender.sync(named_tensors, bucket_mb, send)
         except BaseException:
             self.abort_weight_sync()
             raise
-        self.end_weight_sync()
+        stats.receiver_seconds = receiver_s + self.end_weight_sync()
+        stats.seconds = time.perf_counter() - t0
         return stats
 
     def checksum(self, names: list[str]) -> dict[str, float]:
         """HF name -> weight_sync.verify.tensor_checksum inside the engine (first worker)."""
-        return self.llm.collective_rpc("checksum", args=(list(names),))[0]
+        return self._rpc("checksum", list(names))[0]
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v) for k, v in self.llm.collective_rpc("weight_shapes")[0].items()}
+        return {k: tuple(v) for k, v in self._rpc("weight_shapes")[0].items()}
 
     # ------------------------------------------------------------------ lifetime
 

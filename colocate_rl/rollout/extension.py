@@ -24,12 +24,14 @@ Loading differs by platform:
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from colocate_rl.weight_sync.ipc import IpcReceiver, Message
+from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
 
@@ -39,7 +41,9 @@ def _checkpoint_shapes(model: str, revision: str | None) -> dict[str, tuple[int,
     if not root.is_dir():
         from huggingface_hub import snapshot_download
 
-        root = Path(snapshot_download(model, revision=revision, allow_patterns=["*.safetensors"], local_files_only=True))
+        root = Path(
+            snapshot_download(model, revision=revision, allow_patterns=["*.safetensors"], local_files_only=True)
+        )
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(root.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -84,6 +88,9 @@ class WeightReceiver:
     def device_uuid(self) -> str:
         return self._crl_state()["receiver"].uuid
 
+    def worker_pid(self) -> int:
+        return os.getpid()
+
     def weight_shapes(self) -> dict[str, list[int]]:
         """HF name -> shape the engine accepts (its checkpoint's tensors)."""
         return {k: list(v) for k, v in self._crl_state()["shapes"].items()}
@@ -101,8 +108,9 @@ class WeightReceiver:
                 initialize_layerwise_reload(self._crl_model())
         st["active"] = True
 
-    def update_weights_from_ipc(self, message: Message) -> dict[str, int]:
-        """Loads this device's entry of ``message``. Returns {"tensors": n, "bytes": b}."""
+    def update_weights_from_ipc(self, message: Message) -> dict[str, float]:
+        """Loads this device's entry of ``message``: {"tensors": n, "bytes": b, "seconds": time here}."""
+        t0 = time.perf_counter()
         st = self._crl_state()
         with st["receiver"].open(message) as named:
             self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
@@ -119,11 +127,13 @@ class WeightReceiver:
             del named
         if oneshot:
             self.end_weight_sync()
-        return {"tensors": n, "bytes": nbytes}
+        return {"tensors": n, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
-    def end_weight_sync(self) -> None:
+    def end_weight_sync(self) -> float:
+        """Finishes the sync; returns the seconds it took here (CPU: deferred layer processing)."""
         from vllm.config import set_current_vllm_config
 
+        t0 = time.perf_counter()
         st = self._crl_state()
         if not st["active"]:
             raise RuntimeError("end_weight_sync without begin_weight_sync")
@@ -136,6 +146,7 @@ class WeightReceiver:
         st["active"] = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def abort_weight_sync(self) -> None:
         """Ends a failed sync. CPU: layers still waiting for tensors go back to their old weights
@@ -166,15 +177,16 @@ class WeightReceiver:
         out = {}
         for name in names:
             if name not in st["shapes"]:
-                raise KeyError(f"checksum: tensor '{name}' does not exist in the engine's model")
+                raise WeightSyncError(f"checksum: tensor '{name}' does not exist in the engine's model")
             try:
                 param = model.get_parameter(name)
             except AttributeError:
                 param = None
             shape = st["shapes"][name]
             if param is None or param.dim() != len(shape) or any(p < s for p, s in zip(param.shape, shape)):
-                raise ValueError(
-                    f"checksum: tensor '{name}' is fused, sharded or repacked inside vLLM; pick embeddings, norms or lm_head"
+                raise WeightSyncError(
+                    f"checksum: tensor '{name}' is fused, sharded or repacked inside vLLM; "
+                    "pick embeddings, norms or lm_head"
                 )
             # vLLM pads the vocabulary dimension; compare the checkpoint's rows only.
             out[name] = tensor_checksum(param[tuple(slice(0, s) for s in shape)])
@@ -186,9 +198,9 @@ class WeightReceiver:
         shapes = st["shapes"]
         for name, t in named:
             if name not in shapes:
-                raise KeyError(f"weight sync: tensor '{name}' does not exist in the engine's model")
+                raise WeightSyncError(f"weight sync: tensor '{name}' does not exist in the engine's model")
             if tuple(t.shape) != shapes[name]:
-                raise ValueError(
+                raise WeightSyncError(
                     f"weight sync: tensor '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}"
                 )
 

@@ -54,7 +54,9 @@ def _flush(pending: list[tuple[str, torch.Tensor]], alloc: Alloc) -> Bucket:
     return Bucket(flat, metas)
 
 
-def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, alloc: Alloc = _empty) -> Iterator[Bucket]:
+def pack(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, alloc: Alloc = _empty
+) -> Iterator[Bucket]:
     """Yields buckets of at most ``bucket_mb`` MiB, one dtype and device each, in input order per dtype.
 
     A tensor larger than a bucket gets a bucket of its own. Tensors of other dtypes wait in their own

@@ -2,13 +2,18 @@
 
 A message is ``{device_uuid: payload}``: one entry per GPU, so with TP/EP every actor rank packs
 the bucket for the GPU it shares with a vLLM worker, the ranks' messages are merged
-(``merge_messages``), one RPC carries the whole dict, and each worker takes its own entry. UUIDs
-are global while device indices depend on each process's CUDA_/HIP_VISIBLE_DEVICES; that is why
-the key is the UUID and the receiver rebuilds on its own index.
+(``merge_messages``), one RPC carries the whole dict, and each worker takes its own entry. Entries
+hold whole HF tensors (the actor gathers its TP/EP shards first); vLLM's weight loaders cut the
+worker's shard. UUIDs are global while device indices depend on each process's
+CUDA_/HIP_VISIBLE_DEVICES; that is why the key is the UUID and the receiver rebuilds on its own index.
 
-A payload is ``ForkingPickler.dumps(((rebuild_fn, args), metas))`` where ``(rebuild_fn, args)`` is
-torch's ``reduce_tensor`` of the bucket. Plain bytes travel through vLLM's msgpack RPC without
-``VLLM_ALLOW_INSECURE_SERIALIZATION``, and an entry is unpickled only by the worker it is for.
+A payload is ``ForkingPickler.dumps((handle, metas, (pid, token)))`` where ``handle`` is torch's
+``reduce_tensor`` of the bucket, ``(rebuild_fn, args)``. Plain bytes travel through vLLM's msgpack
+RPC without ``VLLM_ALLOW_INSECURE_SERIALIZATION``, and an entry is unpickled only by the worker it
+is for. A receiver in the sender's own process (vLLM in-process, TP=1) cannot use a CUDA handle:
+torch cannot reopen its own IPC handle ("invalid device context"), and a handle made but never
+opened elsewhere keeps its block alive until exit (torch's IPC limbo). ``IpcSender(same_process=
+True)`` sends no handle then, only a token for the bucket held in this process.
 
 Lifetimes. CUDA: the receiver's view keeps the sender's block alive through torch's IPC ref
 counter; the sender keeps its bucket until the RPC returns and calls ``torch.cuda.ipc_collect()``
@@ -23,10 +28,14 @@ rejected".
 
 from __future__ import annotations
 
+import io
+import itertools
 import multiprocessing
+import os
 import pickle
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,23 +49,35 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, pack, unpack
 
-Message = dict[str, bytes]  # device UUID -> pickled ((rebuild_fn, args), metas)
+Message = dict[str, bytes]  # device UUID -> pickled ((rebuild_fn, args), metas, origin)
+
+# Buckets sent with same_process=True, by token; alive while the sender holds the bucket.
+_SENT: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_tokens = itertools.count()
 
 _CUDA_DEVICE_ARG = 6  # index of storage_device in rebuild_cuda_tensor's arguments
+
+
+class WeightSyncError(ValueError):
+    """A message or tensor the receiver cannot take; the one-line message names the UUID or tensor."""
 
 
 @dataclass
 class SyncStats:
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the whole sync, sender side
     buckets: int = 0
+    receiver_seconds: float = 0.0  # of which spent inside the receivers (map, check, load), when reported
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def __add__(self, other: "SyncStats") -> "SyncStats":
-        return SyncStats(self.bytes + other.bytes, self.seconds + other.seconds, self.buckets + other.buckets)
+        return SyncStats(
+            self.bytes + other.bytes, self.seconds + other.seconds, self.buckets + other.buckets,
+            self.receiver_seconds + other.receiver_seconds,
+        )
 
 
 def _host_id() -> str:
@@ -71,17 +92,23 @@ def _host_id() -> str:
     return socket.gethostname()
 
 
+def _resolve(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def device_uuid(device: torch.device | str | int | None = None) -> str:
     """Global id of a device. GPU (CUDA and ROCm): the UUID of the *visible* index; CPU: 'cpu-<boot id>'."""
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(device, int):
-        dev = torch.device("cuda", device)
+    dev = _resolve(device)
     if dev.type == "cpu":
         return "cpu-" + _host_id()
     if dev.type != "cuda":
         raise ValueError(f"device_uuid: unsupported device type {dev.type!r}")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return str(torch.cuda.get_device_properties(index).uuid)
+    return str(torch.cuda.get_device_properties(dev.index).uuid)
 
 
 def shared_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,9 +120,15 @@ def shared_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
 
 
+def _local_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 def set_authkey(key: bytes) -> None:
     """Give this process the multiprocessing key its peer uses: needed between unrelated processes
-    (e.g. two Ray actors) for CPU fd passing. Call it on both sides before the first sync."""
+    (e.g. the actor's and the rollout's Ray actors) for CPU fd passing. Call it on both sides, and on
+    the rollout side before the engine starts: vLLM's processes take the key at spawn. (torch's
+    ``file_system`` sharing strategy avoids fd passing, at the price of named /dev/shm files.)"""
     multiprocessing.current_process().authkey = key
 
 
@@ -113,8 +146,6 @@ class _RecordingPickler(ForkingPickler):
 
 
 def _dumps(obj: Any) -> tuple[bytes, list]:
-    import io
-
     buf = io.BytesIO()
     p = _RecordingPickler(buf, pickle.HIGHEST_PROTOCOL)
     p.dump(obj)
@@ -122,25 +153,31 @@ def _dumps(obj: Any) -> tuple[bytes, list]:
 
 
 class IpcSender:
-    """Sender half: buckets -> messages. One per process that owns tensors for one device."""
+    """Sender half: buckets -> messages. One per process that owns tensors for one device.
+    ``same_process``: the receivers run in this process (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+    def __init__(self, device: torch.device | str | None = None, same_process: bool = False) -> None:
+        self.same_process = same_process
+        self.device = _resolve(device)
         self.uuid = device_uuid(self.device)
         self._fd_keys: list = []
 
     def buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Iterator[Bucket]:
-        """pack() onto this device, allocating CPU buckets directly in shared memory."""
-        moved = ((n, t.to(self.device, non_blocking=True)) for n, t in named_tensors)
-        return pack(moved, bucket_mb, alloc=shared_alloc)
+        """pack() onto this device, allocating CPU buckets directly in shared memory (unless the
+        receivers share this process). Each bucket is sent before the next is built, so at most
+        about one bucket per dtype is alive at a time."""
+        moved = ((n, t.to(self.device)) for n, t in named_tensors)
+        return pack(moved, bucket_mb, alloc=_local_alloc if self.same_process else shared_alloc)
 
     def make_message(self, bucket: Bucket) -> Message:
         flat = bucket.flat
+        token = next(_tokens)
+        if self.same_process:
+            _SENT[token] = flat
+            return {self.uuid: pickle.dumps((None, bucket.metas, (os.getpid(), token)))}
         if flat.device.type == "cpu" and not flat.is_shared():
             flat.share_memory_()
-        payload, keys = _dumps((reduce_tensor(flat), bucket.metas))
+        payload, keys = _dumps((reduce_tensor(flat), bucket.metas, (os.getpid(), token)))
         self._fd_keys += keys
         return {self.uuid: payload}
 
@@ -198,26 +235,33 @@ class IpcReceiver:
     """Receiver half: takes its own entry of a message and rebuilds the bucket on its own device."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _resolve(device)
         self.uuid = device_uuid(self.device)
 
     def payload(self, message: Message) -> bytes:
         if self.uuid not in message:
-            raise KeyError(
-                f"weight-sync message has no entry for this device {self.uuid} (entries: {', '.join(message) or 'none'})"
-            )
+            present = ", ".join(message) or "none"
+            raise WeightSyncError(f"weight-sync message has no entry for this device {self.uuid} (entries: {present})")
         return message[self.uuid]
 
     @contextmanager
     def open(self, message: Message) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yields (name, view) of the bucket; the mapping/handle is dropped on exit."""
-        (fn, args), metas = pickle.loads(self.payload(message))  # CPU: maps the shared memory now
-        if fn is rebuild_cuda_tensor:
-            args = list(args)
+        handle, metas, (pid, token) = pickle.loads(self.payload(message))  # CPU: maps the shared memory now
+        if handle is None:
+            flat = _SENT.get(token) if pid == os.getpid() else None
+            if flat is None:
+                raise WeightSyncError(f"weight-sync payload of process {pid} (same_process=True) cannot be loaded here")
+        elif handle[0] is rebuild_cuda_tensor:
+            if pid == os.getpid():
+                raise WeightSyncError("a CUDA IPC handle cannot be opened in the process that made it: "
+                                      "send with IpcSender(same_process=True)")
+            args = list(handle[1])
             args[_CUDA_DEVICE_ARG] = self.device.index  # the sender's index means nothing in this process
-        flat = fn(*args)
+            flat = rebuild_cuda_tensor(*args)
+        else:
+            fn, args = handle
+            flat = fn(*args)
         bucket = Bucket(flat, metas)
         try:
             yield unpack(bucket)
@@ -228,6 +272,6 @@ class IpcReceiver:
 
 
 __all__ = [
-    "IpcReceiver", "IpcSender", "Message", "SyncStats", "TensorMeta", "device_uuid", "merge_messages", "set_authkey",
-    "shared_alloc",
+    "IpcReceiver", "IpcSender", "Message", "SyncStats", "TensorMeta", "WeightSyncError", "device_uuid",
+    "merge_messages", "set_authkey", "shared_alloc",
 ]

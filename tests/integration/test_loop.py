@@ -94,3 +94,14 @@ def test_short_run_improves_held_out_accuracy(tmp_path, tiny_model):
     assert out["steps"] == 60 and len(acc) == 4
     assert max(acc[1:]) - acc[0] >= 0.10, acc
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows if "train_rollout_logprob_abs_diff" in r)
+
+
+def test_parity_at_sampling_temperature(tmp_path, tiny_model):
+    """At temperature != 1 the sampler reports logprobs after temperature (processed_logprobs) and
+    the actor divides its logits by the same temperature: the two must still agree."""
+    s = start_session(tiny_cfg(tmp_path, tiny_model, **{"rollout.temperature": "0.7", "reward.name": "test_even_length"}))
+    try:
+        m = loop.colocated_step(s, s.cfg)
+        assert m["train_rollout_logprob_abs_diff"] <= 1e-4, m["train_rollout_logprob_abs_diff"]
+    finally:
+        s.close()

@@ -1,0 +1,148 @@
+"""Colocated handoff on one GPU: seconds of each phase of real steps, GB/s of each transfer next to
+the card's limits measured in the same run, rollout throughput inside the loop vs bare vLLM, the
+trainer/sampler logprob gap in bf16, and device memory at each phase boundary.
+
+    python benchmarks/handoff.py --shape qwen3-0.6b --out benchmarks/results/handoff_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as pyplatform
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+def copy_limits(nbytes: int = GiB) -> dict[str, float]:
+    """GB/s of pinned host->device, device->host and device->device copies (D2D counts read+write)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty_like(dev)
+
+    def rate(fn, factor=1.0):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        return factor * 5 * nbytes / (time.perf_counter() - t0) / 1e9
+
+    out = {"h2d_pinned_GBps": rate(lambda: dev.copy_(host, non_blocking=True)),
+           "d2h_pinned_GBps": rate(lambda: host.copy_(dev, non_blocking=True)),
+           "d2d_GBps": rate(lambda: dev2.copy_(dev), factor=2.0)}
+    del dev, dev2, host
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    from colocate_rl import loop
+    from colocate_rl.config import Config, ModelConfig, load
+    from colocate_rl.memory import Handoff
+    from colocate_rl.models.tiny import ensure_model
+    from colocate_rl.session import start_session
+
+    limits = copy_limits()
+    print("card limits:", json.dumps({k: round(v, 1) for k, v in limits.items()}), flush=True)
+    root = Path(os.environ.get("COLOCATE_RL_CACHE", ".cache"))
+    path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
+    over = [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
+            "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
+            f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={args.steps + 1}",
+            f"rollout.gpu_memory_utilization={args.gpu_mem}", "actor.lr=1e-6", "actor.micro_batch_size=8",
+            "placement.gpus_per_node=1", "placement.launcher=local", "logging.wandb_mode=disabled",
+            "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=handoff",
+            "rollout.verify_sync_every=1"]
+    cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
+    s = start_session(cfg)
+    free_total = torch.cuda.mem_get_info
+    s.handoff = Handoff(start=s.handoff.phase, measure=lambda: free_total()[1] - free_total()[0])
+    rows = []
+    try:
+        for i in range(args.steps + 1):  # the first step warms up (allocator, kernels)
+            m = loop.colocated_step(s, cfg)
+            s.step += 1
+            print(f"step {i}: " + " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("time/")),
+                  flush=True)
+            if i:
+                rows.append(m)
+        # Bare vLLM on the same prompts and sampling, for the throughput ratio.
+        samples = s.sampler.next_batch()
+        from vllm import SamplingParams
+
+        sp = SamplingParams(n=args.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_tokens=args.tokens, logprobs=0, seed=cfg.rollout.seed)
+        prompts = [{"prompt_token_ids": x.prompt_ids} for x in samples]
+        t0 = time.perf_counter()
+        outs = s.rollout.llm.generate(prompts, sp, use_tqdm=False)
+        bare_s = time.perf_counter() - t0
+        bare_tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
+        t0 = time.perf_counter()
+        batch = s.rollout.generate(samples)
+        ours_s = time.perf_counter() - t0
+        ours_tokens = int(batch.response_lens.sum())
+        # Per-token logprob gap (bf16) on that batch, before any update.
+        s.rollout.sleep(cfg.rollout.sleep_level)
+        s.actor.onload()
+        lp = s.actor.compute_logprobs(batch)
+        diff = (lp - batch.rollout_logprobs).abs()[batch.loss_mask].float()
+        s.actor.offload()
+        s.rollout.wake(["weights"])
+        s.rollout.wake(["kv_cache"])
+    finally:
+        s.close()
+
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    phases = {k[5:]: mean(k) for k in rows[0] if k.startswith("time/") and k != "time/step"}
+    handoff_keys = ("sleep", "onload", "offload", "wake_weights", "sync", "wake_kv")
+    step_s = mean("time/step")
+    used = s.handoff.peak_used()
+    kv = used.get("rollout", 0) - used.get("rollout_weights", 0)
+    result = {
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "vllm": __import__("vllm").__version__, "python": pyplatform.python_version(),
+                    "date": time.strftime("%Y-%m-%d")},
+        "settings": vars(args),
+        "step_s": step_s,
+        "phase_s": phases,
+        "handoff_s": sum(phases.get(k, 0) for k in handoff_keys),
+        "handoff_share_of_step": sum(phases.get(k, 0) for k in handoff_keys) / step_s,
+        "transfers_GBps": {"onload (h2d)": mean("actor/onload_GBps"), "offload (d2h)": mean("actor/offload_GBps"),
+                           "weight sync (d2d, IPC)": mean("sync/GBps")},
+        "limits_GBps": limits,
+        "sync_bytes": rows[0]["sync/bytes"],
+        "offloaded_bytes": rows[0]["actor/offloaded_bytes"],
+        "rollout_tokens_per_s": ours_tokens / ours_s,
+        "bare_vllm_tokens_per_s": bare_tokens / bare_s,
+        "rollout_vs_bare_vllm": (ours_tokens / ours_s) / (bare_tokens / bare_s),
+        "logprob_abs_diff_mean": float(diff.mean()),
+        "logprob_abs_diff_p99": float(diff.quantile(0.99)),
+        "logprob_abs_diff_max": float(diff.max()),
+        "memory_used_GiB_at_phase": {k: v / GiB for k, v in used.items()},
+        "memory_unstaged_wake_GiB": (used.get("sync", 0) + kv) / GiB,
+        "memory_staged_peak_GiB": max(used.values()) / GiB,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""RMSNorm computed the way HF Qwen3 and vLLM compute it, for the local (no-TE) spec.
+
+Megatron's local spec uses torch.nn.RMSNorm with an fp32 weight (it ignores params_dtype), so in
+bf16 the norm weights become fp32 parameters and the scaling happens before the rounding. HF
+normalises in fp32, rounds to the input dtype, then multiplies by a weight in the model dtype;
+matching that order keeps the actor's bf16 logprobs close to the rollout engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    """x [..., hidden] → same shape and dtype. Weight [hidden] in config.params_dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

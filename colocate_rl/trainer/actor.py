@@ -1,0 +1,352 @@
+"""The Megatron actor: re-scores rollout tokens, takes GRPO (or SFT) optimizer steps, moves its
+state to host memory and back, and exports HF-named weights for the rollout engine.
+
+One ``Actor`` per process; a job of tp x pp x dp processes builds one on every rank, and every
+rank is handed the same full batch (each picks its data-parallel share, see batching.py). All
+public methods are collective: call them on every rank, in the same order.
+
+Loss scaling, stated once: the policy loss of a micro-batch is normalised by the token (or
+sequence) count of its whole mini-batch, so micro-batch losses *sum* to the mini-batch loss.
+Megatron's schedule divides each returned loss by the number of micro-batches and its DDP averages
+gradients over data-parallel ranks; the loss function multiplies by both to undo that.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from colocate_rl import platform
+from colocate_rl.algorithms import global_counts, policy_loss
+from colocate_rl.config import Config
+from colocate_rl.models.build import build_model
+from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
+from colocate_rl.models.registry import family_for, read_hf_config
+from colocate_rl.trainer.batching import minibatches, rank_micro_batches
+from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
+from colocate_rl.trainer.logprobs import token_logprobs
+from colocate_rl.trainer.offload import HostOffload
+from colocate_rl.types import RolloutBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Actor:
+    """Built from ``cfg.model`` (HF folder), ``cfg.actor`` (parallelism, optimizer, schedule),
+    ``cfg.algorithm`` (loss), ``cfg.rollout.temperature`` (logprobs of the sampling distribution).
+
+    Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
+    (Megatron optimizer), ``scheduler`` (OptimizerParamScheduler), ``hf_config``, ``specs``.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        a = cfg.actor
+        platform.setup_platform()
+        self.hf_config = read_hf_config(cfg.model.path)
+        self.family = family_for(self.hf_config)
+        self.family.check_parallel(self.hf_config, a.tp, a.pp, a.ep)
+        if cfg.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={cfg.model.dtype!r} is not one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[cfg.model.dtype]
+
+        self.rank, world = init_process_group()
+        if world % (a.tp * a.pp):
+            raise ValueError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the world size {world}")
+        self.dp = world // (a.tp * a.pp)
+        if a.dp and a.dp != self.dp:
+            raise ValueError(
+                f"actor.dp={a.dp} but the world of {world} ranks gives dp={self.dp} at tp={a.tp}, pp={a.pp}")
+        if (a.tp * self.dp) % a.ep:
+            raise ValueError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * self.dp}")
+        init_model_parallel(a.tp, a.pp, a.ep, cfg.seed)
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.device = platform.device()
+
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if a.recompute else {}
+        self.model_config = self.family.transformer_config(
+            self.hf_config, self.dtype,
+            tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+            expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1, sequence_parallel=False,
+            use_cpu_initialization=not platform.has_gpu(),
+            perform_initialization=False,  # every parameter is overwritten from the checkpoint
+            variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
+            **recompute,
+        )
+        module = build_model(self.family, self.hf_config, self.model_config)
+        self.specs = self.family.params(self.hf_config)
+        load_hf_weights(module, self.specs, cfg.model.path)
+        self.model, self.optimizer, self.scheduler = self._wrap(module)
+        self._offload = HostOffload(
+            {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors})
+
+    # ------------------------------------------------------------ build
+
+    def _wrap(self, module):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        a = self.cfg.actor
+        ddp = DistributedDataParallel(
+            self.model_config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=a.distributed_optimizer),
+            module,
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+                adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.grad_clip,
+                bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+                use_distributed_optimizer=a.distributed_optimizer,
+            ),
+            [ddp],
+        )
+        total_steps = max(self.cfg.steps * a.num_minibatches, a.lr_warmup_steps + 1)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps,
+            lr_decay_steps=total_steps, lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
+            end_wd=a.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
+        )
+        # What Megatron's training loop wires up: grad-sync hooks for the schedule, fp16 loss scaling.
+        self.model_config.no_sync_func = ddp.no_sync
+        self.model_config.finalize_model_grads_func = finalize_model_grads
+        self.model_config.grad_scale_func = optimizer.scale_loss
+        return ddp, optimizer, scheduler
+
+    # ------------------------------------------------------------ forward / backward plumbing
+
+    def _check_onloaded(self, part: Optional[str] = None) -> None:
+        if self._offload.offloaded(part):
+            raise RuntimeError(f"the actor's {part or 'state'} is offloaded: call onload() first")
+
+    def _forward_step(self, loss_fn: Callable, data_iterator, model):
+        """Megatron forward_step_func: one micro-batch → (output, loss_func bound to it)."""
+        item = next(data_iterator)
+        tokens = item[0].tokens.to(self.device, non_blocking=True)
+        b, t = tokens.shape
+        positions = torch.arange(t, device=self.device).expand(b, t)
+        output = model(tokens, positions, None)  # last stage: logits [b, t, V/tp]; else hidden states
+        return output, partial(loss_fn, item, tokens)
+
+    def _run(self, items: list, loss_fn: Callable, forward_only: bool) -> list:
+        """Runs the micro-batches through Megatron's (pipeline) schedule; returns the loss_fn outputs
+        collected on the last pipeline stage (empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq = max(i[0].tokens.shape[1] for i in items)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
+            data_iterator=iter(items),
+            model=[self.model],
+            num_microbatches=len(items),
+            seq_length=seq,
+            micro_batch_size=max(i[0].size for i in items),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _last_stage_to_all(self, obj):
+        """Python object from the last pipeline stage to every stage."""
+        ps = self._ps
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group_src=ps.get_pipeline_model_parallel_world_size() - 1,
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # ------------------------------------------------------------ logprobs
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] float32 (cpu): logprob of tokens[:, t] given tokens[:, :t]; 0 at t = 0 and on padding."""
+        self._check_onloaded()
+        self.model.eval()
+        b, t = batch.tokens.shape
+        lengths = batch.attention_mask.sum(1)
+        mine = rank_micro_batches(torch.arange(b), lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
+        items = [(batch.select(rows), rows) for rows in mine]
+        temperature = self.cfg.rollout.temperature
+
+        def logprobs_of(item, tokens, output, non_loss_data=False):
+            return token_logprobs(output, tokens, temperature)
+
+        outputs = self._run(items, logprobs_of, forward_only=True)
+        out = torch.zeros(b, t, dtype=torch.float32, device=self.device)
+        if self._ps.is_pipeline_last_stage():
+            for (mb, rows), lp in zip(items, outputs):
+                out[rows.to(self.device), : lp.shape[1]] = lp.float()
+            if self.dp > 1:  # rows of different ranks are disjoint and zero elsewhere
+                dist.all_reduce(out, group=self._ps.get_data_parallel_group())
+        if self._ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(out, group_src=self._ps.get_pipeline_model_parallel_world_size() - 1,
+                           group=self._ps.get_pipeline_model_parallel_group())
+        return torch.where(batch.attention_mask.to(self.device), out, 0.0).cpu()
+
+    # ------------------------------------------------------------ training
+
+    def train_step(self, batch: RolloutBatch, old_logprobs: torch.Tensor,
+                   ref_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """GRPO: ``actor.num_minibatches`` optimizer steps over ``batch``. old_logprobs [B, T] (the
+        actor's, before this call), ref_logprobs [B, T] only when algorithm.kl_coef > 0.
+        Returns metrics averaged over the optimizer steps: loss, grad_norm, lr, the loss's own metrics,
+        tokens and tokens_per_s."""
+        if batch.advantages is None:
+            raise ValueError("RolloutBatch.advantages is None: compute advantages before train_step")
+        if old_logprobs.shape != batch.tokens.shape:
+            raise ValueError(
+                f"old_logprobs has shape {tuple(old_logprobs.shape)}, expected {tuple(batch.tokens.shape)}")
+        alg, temperature, dev = self.cfg.algorithm, self.cfg.rollout.temperature, self.device
+
+        def grpo_loss(counts, item, tokens, output):
+            mb, old, ref = item
+            lp = token_logprobs(output, tokens, temperature)
+            loss, metrics = policy_loss(
+                lp, old.to(dev), mb.rollout_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev), alg,
+                ref_logprobs=None if ref is None else ref.to(dev), **counts,
+            )
+            return loss, metrics
+
+        def item(mb: RolloutBatch, rows: torch.Tensor):
+            t = mb.tokens.shape[1]
+            return (mb, old_logprobs[rows, :t], None if ref_logprobs is None else ref_logprobs[rows, :t])
+
+        return self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
+
+    def sft_step(self, batch: RolloutBatch, lr: Optional[float] = None) -> dict[str, float]:
+        """One optimizer step of supervised NLL on the loss_mask tokens (token mean over the batch),
+        at ``lr`` (default cfg.sft.lr); the RL learning-rate schedule does not advance."""
+
+        def nll_loss(counts, item, tokens, output):
+            mb = item[0]
+            lp = token_logprobs(output, tokens)
+            mask = mb.loss_mask.to(self.device)
+            loss = -torch.where(mask, lp, 0).sum() / max(counts["global_token_count"], 1)
+            return loss, {}
+
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.cfg.sft.lr if lr is None else lr
+        try:
+            return self._steps(batch, 1, nll_loss, lambda mb, rows: (mb,), advance_schedule=False)
+        finally:
+            for g, v in zip(self.optimizer.param_groups, saved):
+                g["lr"] = v
+
+    def _steps(self, batch: RolloutBatch, num_minibatches: int, loss_fn: Callable, make_item: Callable,
+               advance_schedule: bool = True) -> dict[str, float]:
+        self._check_onloaded()
+        self.model.train()
+        t0 = time.perf_counter()
+        lengths = batch.attention_mask.sum(1)
+        steps = []
+        for rows in minibatches(batch.size, num_minibatches, self.dp):
+            counts = global_counts(batch.loss_mask[rows])
+            mine = rank_micro_batches(rows, lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
+            items = [make_item(batch.select(r), r) for r in mine]
+            scale = len(items) * self.dp  # undo Megatron's 1/num_microbatches and DDP's 1/dp (module doc)
+
+            def scaled(item, tokens, output):
+                loss, metrics = loss_fn(counts, item, tokens, output)
+                n = item[0].loss_mask.sum()
+                return loss * scale, {"loss": loss.detach(), "n_tokens": n, **metrics}
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            per_micro = self._run(items, scaled, forward_only=False)
+            lr = self.optimizer.param_groups[0]["lr"]
+            ok, grad_norm, _ = self.optimizer.step()
+            if advance_schedule:
+                self.scheduler.step(increment=1)
+            m = self._reduce_metrics(per_micro)
+            m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                     update_skipped=float(not ok))
+            steps.append(m)
+        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        out["tokens"] = float(batch.attention_mask.sum())
+        out["time_s"] = time.perf_counter() - t0
+        out["tokens_per_s"] = out["tokens"] / out["time_s"]
+        out["optimizer_steps"] = float(len(steps))
+        return out
+
+    def _reduce_metrics(self, per_micro: list[dict]) -> dict[str, float]:
+        """Micro-batch metrics → mini-batch values on every rank: 'loss' summed (it is already
+        normalised globally), '*_max' maxed, the rest averaged weighted by loss tokens."""
+        ps = self._ps
+        out = None
+        if ps.is_pipeline_last_stage():
+            keys = sorted(k for k in per_micro[0] if k != "n_tokens")
+            n = torch.stack([torch.as_tensor(m["n_tokens"], dtype=torch.float64) for m in per_micro]).to(self.device)
+            vals = {k: torch.stack([m[k].double() for m in per_micro]).to(self.device) for k in keys}
+            sums = torch.stack([vals[k].sum() if k == "loss" else (vals[k] * n).sum() for k in keys] + [n.sum()])
+            maxes = torch.stack([vals[k].max() for k in keys])
+            if self.dp > 1:
+                dist.all_reduce(sums, group=ps.get_data_parallel_group())
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            total = max(float(sums[-1]), 1.0)
+            out = {k: float(maxes[i]) if k.endswith("_max") else float(sums[i]) / (1.0 if k == "loss" else total)
+                   for i, k in enumerate(keys)}
+        return self._last_stage_to_all(out)
+
+    # ------------------------------------------------------------ memory
+
+    def _param_tensors(self) -> Iterator[torch.Tensor]:
+        for p in self.model.module.parameters():
+            yield p
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            yield buf.param_data  # the distributed optimizer's contiguous parameter buffer
+
+    def _grad_tensors(self) -> Iterator[torch.Tensor]:
+        for p in self.model.module.parameters():
+            yield getattr(p, "main_grad", None)
+            yield p.grad
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            yield buf.grad_data
+
+    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        """fp32 main parameters (bf16 training) and their .grad views, Adam moments."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for g in inner.param_groups:
+                for p in g["params"]:
+                    yield p
+                    yield p.grad
+            for state in inner.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def offload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
+        """Moves ``parts`` (default all of params, grads, optimizer) to host memory (pinned on GPU)
+        and releases their device memory. Returns (bytes moved, seconds)."""
+        return self._offload.offload(parts)
+
+    def onload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
+        """Back to the device in place, every reference stays valid (default: all parts).
+        Returns (bytes moved, seconds)."""
+        return self._offload.onload(parts)
+
+    def offloaded(self, part: Optional[str] = None) -> bool:
+        """Is ``part`` (default: any part) on the host?"""
+        return self._offload.offloaded(part)
+
+    # ------------------------------------------------------------ weights out
+
+    def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) one at a time, gathered over tp / ep / pp, on every rank (collective:
+        every rank must exhaust the iterator), in ``dtype`` (default: model.dtype), on this rank's
+        device. Tensors may share storage with the parameters.
+        Needs only the parameters on the device (gradients and optimizer state may be offloaded)."""
+        self._check_onloaded("params")
+        return export_hf_weights(self.model.module, self.specs, dtype or self.dtype)

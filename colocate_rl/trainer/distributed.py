@@ -1,0 +1,84 @@
+"""torch.distributed + Megatron parallel state for the actor, and a local N-rank launcher.
+
+Rank layout is Megatron's (tp fastest, then dp, then pp; experts parallel across tp x dp ranks).
+On CPU the process group is gloo; on CUDA/ROCm it is nccl (RCCL on ROCm).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from colocate_rl import platform
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group() -> tuple[int, int]:
+    """Joins (or creates) the default process group from RANK / WORLD_SIZE / MASTER_* env; a single
+    process with none of them set becomes a world of one. Returns (rank, world size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world > 1:
+            raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
+        os.environ["MASTER_PORT"] = str(free_port())
+    if platform.has_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    return rank, world
+
+
+def init_model_parallel(tp: int, pp: int, ep: int, seed: int) -> None:
+    """Megatron's parallel groups and RNG states (experts not tensor-parallel: ETP = 1)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _worker(local_rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_process_group()
+    try:
+        result = fn(*args)
+        if local_rank == 0:
+            torch.save(result, out)
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args) -> Any:
+    """Runs ``fn(*args)`` on ``world_size`` fresh local processes (one process group) and returns
+    rank 0's result. ``fn`` must be importable (module level); a rank's exception is re-raised here."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.pt")
+        mp.spawn(_worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
+        return torch.load(out, weights_only=False)

@@ -1,0 +1,119 @@
+"""Move tensors' storages to host memory and back, in place, by named part.
+
+Each distinct storage is copied to a host buffer and then shrunk to 0 bytes with
+``untyped_storage().resize_(0)``; onload regrows it and copies back. Every view into it (parameters,
+Megatron's grad buffers and main_grad views, optimizer state, the optimizer's param_groups) stays
+valid because the storage object itself is kept. Host buffers are pinned on GPU (the fast DMA
+path) and kept across cycles, since pinning gigabytes costs more than the copy.
+
+Parts (e.g. params / grads / optimizer) can move separately, so the colocated step can free the
+gradients and optimizer state before the weight sync and the parameters after it. A storage
+reachable from several parts (fp32 training: the optimizer's parameters *are* the model's) belongs
+to the first part that lists it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from colocate_rl import platform
+
+TensorsFn = Callable[[], Iterable[Optional[torch.Tensor]]]
+
+
+class HostOffload:
+    """``parts``: name → function listing that part's tensors (duplicates, views and None are fine),
+    in ownership order."""
+
+    def __init__(self, parts: dict[str, TensorsFn]):
+        self._parts = parts
+        self._moved: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
+        self._host: dict[tuple[str, int], torch.Tensor] = {}  # reused buffers (GPU: pinned)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def offloaded(self, part: Optional[str] = None) -> bool:
+        """Is ``part`` (default: any part) on the host?"""
+        return part in self._moved if part else bool(self._moved)
+
+    def _owned(self) -> dict[str, list[torch.UntypedStorage]]:
+        dev = platform.device()
+        owner: dict[int, str] = {}
+        out: dict[str, list[torch.UntypedStorage]] = {p: [] for p in self._parts}
+        for part, fn in self._parts.items():
+            for t in fn():
+                # On GPU, host-side scalars (Adam's step counters) stay where they are.
+                if t is None or t.device.type != dev.type:
+                    continue
+                s = t.untyped_storage()
+                key = s._cdata  # the storage object itself: stable while it is resized
+                if key not in owner:
+                    owner[key] = part
+                    out[part].append(s)
+        return out
+
+    def _select(self, parts: Optional[Sequence[str]]) -> list[str]:
+        chosen = list(self._parts) if parts is None else list(parts)
+        unknown = [p for p in chosen if p not in self._parts]
+        if unknown:
+            raise ValueError(f"unknown offload part(s) {', '.join(unknown)}: one of {', '.join(self._parts)}")
+        return chosen
+
+    @torch.no_grad()
+    def offload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
+        """Copies the parts' storages to host and frees them on the device. Returns (bytes, seconds)."""
+        t0 = time.perf_counter()
+        pin = platform.has_gpu()
+        todo = [p for p in self._select(parts) if p not in self._moved]
+        owned = self._owned() if todo else {}
+        total = 0
+        for part in todo:
+            moved = []
+            for i, s in enumerate(owned[part]):
+                n = s.nbytes()
+                if not n:
+                    continue
+                host = self._host.get((part, i))
+                if host is None or host.numel() != n:
+                    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                    self._host[(part, i)] = host
+                host.copy_(_bytes(s), non_blocking=pin)
+                moved.append((s, host))
+                total += n
+            self._moved[part] = moved
+        if pin:
+            torch.cuda.synchronize()
+        for part in todo:
+            for s, _ in self._moved[part]:
+                s.resize_(0)
+        if pin and todo:
+            torch.cuda.empty_cache()
+        return total, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def onload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
+        """Regrows the parts' storages in place and copies their bytes back. Returns (bytes, seconds)."""
+        t0 = time.perf_counter()
+        pin = platform.has_gpu()
+        total = 0
+        todo = [p for p in self._select(parts) if p in self._moved]
+        for part in todo:
+            for s, host in self._moved[part]:
+                s.resize_(host.numel())
+                _bytes(s).copy_(host, non_blocking=pin)
+                total += host.numel()
+        if pin:
+            torch.cuda.synchronize()
+        for part in todo:
+            del self._moved[part]
+        return total, time.perf_counter() - t0
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -1,0 +1,108 @@
+"""The weight-sync wire format: pack/unpack round trips, bucket limits, lazy consumption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colocate_rl.weight_sync.buckets import pack, unpack
+from colocate_rl.weight_sync.verify import tensor_checksum
+
+MB = 2**20
+
+
+def _named():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(4, 8, generator=g)),
+        ("scalar", torch.randn((), generator=g)),
+        ("half", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+        ("big", torch.randn(300, 300, generator=g)),  # 360 KB: larger than the 0.25 MB bucket below
+        ("b", torch.randn(7, generator=g)),
+        ("ints", torch.arange(6, dtype=torch.int64).view(2, 3)),
+        ("empty", torch.zeros(0, 4)),
+        ("half2", torch.randn(2, 2, 2, generator=g).to(torch.bfloat16)),
+    ]
+
+
+def test_round_trip_mixed_dtypes_and_shapes():
+    src = _named()
+    buckets = list(pack(iter(src), bucket_mb=0.25))
+    got = {}
+    for b in buckets:
+        assert b.flat.dim() == 1 and b.flat.is_contiguous()
+        assert {m.dtype for m in b.metas} == {b.flat.dtype}, "a bucket holds one dtype"
+        for name, view in unpack(b):
+            assert name not in got
+            got[name] = view
+    assert set(got) == {n for n, _ in src}
+    for name, t in src:
+        assert got[name].shape == t.shape and got[name].dtype == t.dtype, name
+        assert torch.equal(got[name], t), name
+    assert got["scalar"].dim() == 0
+
+
+def test_bucket_limit_and_oversized_tensor():
+    src = _named()
+    limit = 0.25 * MB
+    buckets = list(pack(iter(src), bucket_mb=0.25))
+    big = [b for b in buckets if any(m.name == "big" for m in b.metas)]
+    assert len(big) == 1 and [m.name for m in big[0].metas] == ["big"], "an oversized tensor gets a bucket of its own"
+    for b in buckets:
+        if b is not big[0]:
+            assert b.nbytes <= limit
+    # Offsets tile the flat buffer exactly.
+    for b in buckets:
+        ends = [m.offset + m.numel for m in b.metas]
+        assert [m.offset for m in b.metas] == [0] + ends[:-1] and ends[-1] == b.flat.numel()
+
+
+def test_many_small_tensors_fill_several_buckets():
+    src = [(f"t{i}", torch.full((256,), float(i))) for i in range(64)]  # 1 KiB each, 64 KiB total
+    buckets = list(pack(iter(src), bucket_mb=16 / 1024))  # 16 KiB buckets
+    assert len(buckets) == 4 and all(len(b.metas) == 16 for b in buckets)
+    assert [n for b in buckets for n, _ in unpack(b)] == [n for n, _ in src], "one dtype keeps input order"
+
+
+def test_empty_iterator_yields_nothing():
+    assert list(pack(iter([]), bucket_mb=1)) == []
+
+
+def test_consumes_lazily():
+    pulled = []
+
+    def gen():
+        for i in range(10):
+            pulled.append(i)
+            yield f"t{i}", torch.zeros(64 * 1024 // 4)  # 64 KiB each
+
+    it = pack(gen(), bucket_mb=128 / 1024)  # two tensors per bucket
+    first = next(it)
+    assert [m.name for m in first.metas] == ["t0", "t1"]
+    assert len(pulled) <= 3, f"pack pulled {len(pulled)} tensors to build the first bucket"
+
+
+def test_views_share_bucket_memory_and_alloc_hook():
+    calls = []
+
+    def alloc(numel, dtype, device):
+        calls.append((numel, dtype))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    (b,) = list(pack(iter([("x", torch.ones(3)), ("y", torch.ones(2))]), bucket_mb=1, alloc=alloc))
+    assert calls == [(5, torch.float32)]
+    (_, x), (_, y) = unpack(b)
+    b.flat.fill_(7)
+    assert x.eq(7).all() and y.eq(7).all()
+
+
+def test_bad_bucket_size():
+    with pytest.raises(ValueError, match="bucket_mb"):
+        list(pack(iter([("x", torch.ones(1))]), bucket_mb=0))
+
+
+def test_checksum_sees_permutations():
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    assert tensor_checksum(t) == tensor_checksum(t.clone())
+    assert tensor_checksum(t) != tensor_checksum(t.flip(0)), "swapped rows keep the plain sum"
+    assert tensor_checksum(t.to(torch.bfloat16)) == tensor_checksum(t)  # small ints are exact in bf16
