@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a GPU machine with vLLM, megatron-core and this project importable: runs the GPU test tier
+# and the colocated handoff benchmark, writing logs and results to $1 (default ./gpu-results).
+#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|all]
+set -uo pipefail
+out="${1:-gpu-results}"; what="${2:-all}"
+mkdir -p "$out"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export COLOCATE_RL_CACHE="${COLOCATE_RL_CACHE:-/tmp/colocate_rl-cache}" PYTHONUNBUFFERED=1
+export TMPDIR="$COLOCATE_RL_CACHE/tmp" VLLM_CACHE_ROOT="$COLOCATE_RL_CACHE/vllm" \
+  TORCHINDUCTOR_CACHE_DIR="$COLOCATE_RL_CACHE/inductor" TRITON_CACHE_DIR="$COLOCATE_RL_CACHE/triton" \
+  HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 WANDB_MODE=disabled
+mkdir -p "$TMPDIR"
+cd "$root"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
+rc=0
+if [ "$what" != bench ]; then
+  python3 -m pytest -q -rs tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -vE "^\(|INFO" | tail -40 || rc=1
+fi
+if [ "$what" != tests ]; then
+  python3 benchmarks/handoff.py --out "$out/handoff_h200.json" 2>&1 | tee "$out/handoff.log" \
+    | grep -vE "INFO|^\(" | tail -60 || rc=1
+fi
+exit $rc
