@@ -30,7 +30,8 @@ from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats, WeightSyn
 log = logging.getLogger(__name__)
 
 # vLLM's multiprocess RPC re-raises a worker's exception as a plain Exception whose text wraps ours.
-_WORKER_ERROR = re.compile(r"Worker failed with error '+(.*?)'+, please check")
+# How a worker's exception text reaches the caller: vLLM 0.32 (CPU) and 0.26 (GPU) word it differently.
+_WORKER_ERROR = re.compile(r"Worker failed with error '+(.*?)'+, please check|collective_rpc method failed: (.*)")
 
 EXTENSION = "colocate_rl.rollout.extension.WeightReceiver"
 CPU_KV_CACHE_MB = 256  # vLLM's CPU default sizing fails on small shared machines; give it an explicit budget
@@ -143,8 +144,9 @@ class RolloutEngine:
             raise
         except Exception as e:
             m = _WORKER_ERROR.search(str(e))
-            if m and ("weight sync" in m.group(1) or "weight-sync" in m.group(1) or "checksum:" in m.group(1)):
-                raise WeightSyncError(m.group(1)) from e
+            text = m and (m.group(1) or m.group(2) or "").strip()
+            if text and ("weight sync" in text or "weight-sync" in text or "checksum:" in text):
+                raise WeightSyncError(text) from e
             raise
 
     # ------------------------------------------------------------------ generation
