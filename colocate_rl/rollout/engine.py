@@ -157,8 +157,8 @@ class RolloutEngine:
     ) -> RolloutBatch:
         """n samples per prompt, rows of a prompt adjacent. ``seed``: reproducible batch (vLLM seeds
         sample k of prompt i with seed + i*n + k); None draws from the engine's generator (seeded
-        by cfg.rollout.seed). Logprobs are vLLM's default raw logprobs: log_softmax of the model's
-        logits before temperature/top-p."""
+        by cfg.rollout.seed). Logprobs are of the sampled distribution (after temperature; the
+        engine runs with logprobs_mode=processed_logprobs)."""
         from vllm import SamplingParams
 
         if self._syncing:
@@ -181,42 +181,22 @@ class RolloutEngine:
         return self._to_batch(samples, outputs, n)
 
     def _to_batch(self, samples: list[Sample], outputs: list[Any], n: int) -> RolloutBatch:
-        rows = []  # (sample index, response ids, logprobs, finish reason)
+        prompts, responses, logprobs, reasons, rows = [], [], [], [], []
         for i, out in enumerate(outputs):
             comps = sorted(out.outputs, key=lambda c: c.index)
             if len(comps) != n:
                 raise RuntimeError(f"vLLM returned {len(comps)} completions for prompt {i}, expected n={n}")
             for c in comps:
                 ids = list(c.token_ids)
-                lps = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(ids)] if ids else []
-                rows.append((i, ids, lps, str(c.finish_reason)))
-        b = len(rows)
-        plen = [len(samples[i].prompt_ids) for i, *_ in rows]
-        rlen = [len(ids) for _, ids, _, _ in rows]
-        t = max((p + q for p, q in zip(plen, rlen)), default=0)
-        tokens = torch.full((b, t), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(b, t, dtype=torch.bool)
-        loss = torch.zeros(b, t, dtype=torch.bool)
-        logp = torch.zeros(b, t, dtype=torch.float32)
-        for k, (i, ids, lps, _) in enumerate(rows):
-            p, q = plen[k], rlen[k]
-            tokens[k, :p] = torch.tensor(samples[i].prompt_ids, dtype=torch.long)
-            if q:
-                tokens[k, p : p + q] = torch.tensor(ids, dtype=torch.long)
-                logp[k, p : p + q] = torch.tensor(lps, dtype=torch.float32)
-            attn[k, : p + q] = True
-            loss[k, p : p + q] = True
-        reasons = [fr for *_, fr in rows]
+                prompts.append(samples[i].prompt_ids)
+                responses.append(ids)
+                logprobs.append([float(c.logprobs[j][tok].logprob) for j, tok in enumerate(ids)])
+                reasons.append(str(c.finish_reason))
+                rows.append(samples[i])
         tok = self.tokenizer
-        return RolloutBatch(
-            tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=logp,
-            prompt_lens=torch.tensor(plen, dtype=torch.long), response_lens=torch.tensor(rlen, dtype=torch.long),
-            group_ids=torch.tensor([i for i, *_ in rows], dtype=torch.long),
-            truncated=torch.tensor([fr == "length" for fr in reasons], dtype=torch.bool),
-            finish_reasons=reasons,
-            responses=[tok.decode(ids, skip_special_tokens=True) if tok is not None else "" for _, ids, _, _ in rows],
-            samples=[samples[i] for i, *_ in rows],
-        )
+        text = [tok.decode(ids, skip_special_tokens=True) for ids in responses] if tok is not None else None
+        return RolloutBatch.from_rows(prompts, responses, rows, self.pad_id, response_logprobs=logprobs,
+                                      finish_reasons=reasons, responses=text, n=n)
 
     # ------------------------------------------------------------------ memory
 

@@ -12,7 +12,6 @@ from colocate_rl import loop
 from colocate_rl.cli import preset_config
 from colocate_rl.config import load
 from colocate_rl.memory import IllegalTransition, Phase
-from colocate_rl.rewards import register
 from colocate_rl.session import start_session
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -32,15 +31,8 @@ def tiny_cfg(tmp_path, tiny_model, **over):
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
 
 
-@register("test_even_length", inline=True)
-def even_length(response: str, label: str) -> float:
-    """A random-weight model scores 0 on arithmetic; this reward varies within every group, so
-    each step really changes the weights and the equality checks below mean something."""
-    return float(len(response) % 2 == 0)
-
-
 @pytest.fixture(scope="module")
-def session(tmp_path_factory, tiny_model):
+def session(tmp_path_factory, tiny_model, even_length_reward):
     s = start_session(tiny_cfg(tmp_path_factory.mktemp("loop"), tiny_model,
                                **{"actor.lr": "1e-3", "reward.name": "test_even_length"}))
     yield s
@@ -96,7 +88,7 @@ def test_short_run_improves_held_out_accuracy(tmp_path, tiny_model):
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows if "train_rollout_logprob_abs_diff" in r)
 
 
-def test_parity_at_sampling_temperature(tmp_path, tiny_model):
+def test_parity_at_sampling_temperature(tmp_path, tiny_model, even_length_reward):
     """At temperature != 1 the sampler reports logprobs after temperature (processed_logprobs) and
     the actor divides its logits by the same temperature: the two must still agree."""
     s = start_session(tiny_cfg(tmp_path, tiny_model, **{"rollout.temperature": "0.7", "reward.name": "test_even_length"}))

@@ -13,7 +13,7 @@ from test_loop import CYCLE, tiny_cfg  # noqa: E402 - same folder
 
 
 @pytest.mark.slow  # ~60 s: Ray start, three processes each importing vLLM / megatron-core
-def test_two_ranks_through_ray(tmp_path, tiny_model):
+def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
     ray = pytest.importorskip("ray")
     cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.launcher": "ray", "actor.dp": "2", "actor.lr": "1e-3",
                                             "reward.name": "test_even_length", "rollout.verify_sync_every": "1"})

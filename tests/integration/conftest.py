@@ -1,0 +1,17 @@
+import pytest
+
+from colocate_rl.rewards import REWARDS, register
+
+
+@pytest.fixture(scope="module")
+def even_length_reward():
+    """A random-weight model scores 0 on arithmetic; this reward varies within every group, so each
+    step really changes the weights and the weight-equality checks mean something. Registered only
+    while a test needs it (the registry is global)."""
+
+    @register("test_even_length", inline=True)
+    def even_length(response: str, label: str) -> float:
+        return float(len(response) % 2 == 0)
+
+    yield "test_even_length"
+    REWARDS.pop("test_even_length", None)
