@@ -11,7 +11,7 @@ export TMPDIR="$COLOCATE_RL_CACHE/tmp" VLLM_CACHE_ROOT="$COLOCATE_RL_CACHE/vllm"
   TORCHINDUCTOR_CACHE_DIR="$COLOCATE_RL_CACHE/inductor" TRITON_CACHE_DIR="$COLOCATE_RL_CACHE/triton" \
   HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 WANDB_MODE=disabled
 mkdir -p "$TMPDIR"
-cd "$root"
+cd "$root" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
 rc=0
 if [ "$what" != bench ]; then

@@ -39,6 +39,12 @@ pip=(quiet "$venv/bin/python" -m pip --disable-pip-version-check -q)
 # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11.
 "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
+# The Debian package shellcheck lints the shell scripts in the test suite (tests/unit/test_docker.py,
+# which skips its shellcheck tests with the reason when it is missing).
+if ! command -v shellcheck >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; } >/dev/null 2>&1 \
+    || echo "[setup] could not install shellcheck with apt-get: its tests will be skipped"
+fi
 "$venv/bin/python" -W ignore -c "import torch, vllm, megatron.core, ray, colocate_rl" \
   || { echo "[setup] import check failed"; exit 1; }
 echo "$want" > "$stamp"
