@@ -33,13 +33,23 @@ def init_process_group() -> tuple[int, int]:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world > 1:
-            raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
-        os.environ["MASTER_PORT"] = str(free_port())
+    pick_port = "MASTER_PORT" not in os.environ
+    if pick_port and world > 1:
+        raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
     if platform.has_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    for attempt in range(5):
+        if pick_port:
+            os.environ["MASTER_PORT"] = str(free_port())
+        try:
+            dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world,
+                                    timeout=timedelta(minutes=30))
+            return rank, world
+        except dist.DistNetworkError:
+            # A port we picked for a world of one can be taken by another process between
+            # free_port() closing it and the store binding it: pick again.
+            if not pick_port or attempt == 4:
+                raise
     return rank, world
 
 
