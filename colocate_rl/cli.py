@@ -47,10 +47,11 @@ def main(config_fn, argv: list[str]) -> dict:
         raise SystemExit(f"error: {e}") from None
     check_hardware(cfg)
     print_config(cfg)
-    # megatron-core warns once per missing optional kernel package (TE, apex) and vLLM logs each
-    # engine call at INFO: keep the console to the run's own lines unless asked otherwise.
+    # megatron-core warns once per missing optional kernel package (TE, apex); vLLM logs each engine
+    # call at INFO and, on CPU, warns at every in-place reload that the rotary embedding has no
+    # weights to load: keep the console to the run's own lines unless VLLM_LOGGING_LEVEL says otherwise.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 
     return run(cfg)
