@@ -1,6 +1,6 @@
 """CPU: our colocated GRPO loop vs TRL's GRPOTrainer, same tiny model, task, warm-start and batch.
 
-    python benchmarks/cpu_vs_trl.py                  # ~6-8 min on 2 cores; writes results/cpu_vs_trl.json
+    python benchmarks/cpu_vs_trl.py       # ~8 min on 2 cores (longer while it waits for a low load)
     python benchmarks/cpu_vs_trl.py --budget-s 30 --lengths 6,64 --sweep-steps 3   # quicker
 
 Both sides start from one warm-started HF folder: the tiny preset's SFT warm-start (recipes/
@@ -17,8 +17,8 @@ Measured, each side in a fresh process, one after the other:
      not counted), held-out greedy accuracy at marks every --eval-every-s seconds and at the end;
   2. seconds per step as completions lengthen (--lengths, at --sweep-prompts x 8): every response
      is forced to the full length (ours: the stop token is moved to an id the model never emits;
-     TRL: min_new_tokens), since only the timing matters there. The intercept of a straight-line
-     fit of s/step over length is each side's fixed per-step cost.
+     TRL: min_new_tokens), since only the timing matters there. s/step extrapolated to zero tokens
+     through the two shortest lengths is each side's fixed per-step cost.
 Our per-phase times come from the loop's own time/<phase> metrics.
 """
 
@@ -43,6 +43,8 @@ REQUIREMENTS = Path(__file__).with_name("trl_requirements.txt")
 RUNNER = Path(__file__).with_name("_trl_runner.py")
 RESULT = Path(__file__).with_name("results") / "cpu_vs_trl.json"
 RECIPE = ROOT / "recipes" / "qwen3_grpo.yaml"
+# Phases whose cost does not grow with the response length: the fixed part of our step.
+FIXED_PHASES = ("sleep", "reward", "onload", "offload", "wake_weights", "sync", "wake_kv")
 PHASES = ("generate", "sleep", "reward", "onload", "logprobs", "train", "offload", "wake_weights", "sync", "wake_kv")
 
 
@@ -152,7 +154,21 @@ def save_hf_folder(weights, src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------- orchestration (main venv)
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
+    """Other work on this machine skews every timing: wait (bounded) until the 1-minute load is low."""
+    t = time.perf_counter()
+    if os.getloadavg()[0] > max_load:
+        print(f"  load {os.getloadavg()[0]:.1f} > {max_load}: waiting up to {max_wait_s:.0f}s", flush=True)
+    while os.getloadavg()[0] > max_load and time.perf_counter() - t < max_wait_s:
+        time.sleep(5)
+    return time.perf_counter() - t
+
+
+WAIT = {"max_load": 2.5, "max_wait_s": 60.0, "waited_s": 0.0}
+
+
 def run_child(cmd: list[str], threads: int, what: str) -> dict:
+    WAIT["waited_s"] += wait_for_quiet(WAIT["max_load"], WAIT["max_wait_s"])
     t = time.perf_counter()
     load_before = os.getloadavg()[0]
     print(f"[{what}] ...", flush=True)
@@ -175,9 +191,9 @@ def ours(args, tag: str, overrides: list[str], **spec) -> dict:
             "logging.progress=false", "logging.plot=false", "eval.every=0"]
     spec = {"threads": args.threads, "overrides": base + overrides, "mode": "grpo", "eval": False,
             "budget_s": 0, "eval_every_s": 0, "max_steps": 10**6, **spec}
-    (work / f"{tag}.spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--job", str(work / f"{tag}.spec.json"),
-           str(work / f"{tag}.out.json")]
+    (work / f"ours-{tag}.spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--job", str(work / f"ours-{tag}.spec.json"),
+           str(work / f"ours-{tag}.out.json")]
     return run_child(cmd, args.threads, f"ours {tag}")
 
 
@@ -185,9 +201,9 @@ def trl(args, py: Path, tag: str, **spec) -> dict:
     work = CACHE / "work"
     spec = {"threads": args.threads, "seed": 0, "n": 8, "temperature": 1.0, "lr": 5e-4, "grad_clip": 1.0,
             "eps_low": 0.2, "eps_high": 0.28, "budget_s": 0, "eval_every_s": 0, "eval": [], "eval_max_tokens": 4,
-            "force_length": False, "out_dir": str(work / f"{tag}.trainer"), **spec}
-    (work / f"{tag}.spec.json").write_text(json.dumps(spec))
-    return run_child([str(py), str(RUNNER), str(work / f"{tag}.spec.json"), str(work / f"{tag}.out.json")],
+            "force_length": False, "out_dir": str(work / f"trl-{tag}.trainer"), **spec}
+    (work / f"trl-{tag}.spec.json").write_text(json.dumps(spec))
+    return run_child([str(py), str(RUNNER), str(work / f"trl-{tag}.spec.json"), str(work / f"trl-{tag}.out.json")],
                      args.threads, f"trl {tag}")
 
 
@@ -219,6 +235,8 @@ def ours_summary(run: dict, skip: int = 1) -> dict:
     phases = {p: median([st.get(p, 0.0) for st in steps]) for p in PHASES}
     return {"s_per_step": median([st["wall"] for st in steps]), "phases": phases,
             "unaccounted": median([st["wall"] - st["step"] for st in steps]),
+            "rest": median([st["wall"] - sum(st.get(p, 0.0) for p in ("generate", "logprobs", "train", "sync"))
+                            for st in steps]),
             "response_len": median([st["response_len"] for st in steps]), "steps": len(run["steps"])}
 
 
@@ -230,17 +248,18 @@ def trl_summary(run: dict, skip: int = 1) -> dict:
     return {"s_per_step": median([run["step_s"][i] for i in keep]),
             "phases": {"generate": median([ph["generate"][i] for i in keep]),
                        "reward": median([ph["reward"][i] for i in keep]),
-                       "score_other": median([g - ph["generate"][i] - ph["reward"][i] for g, i in zip(gen_score, keep)]),
+                       "score_other": median([g - ph["generate"][i] - ph["reward"][i]
+                                              for g, i in zip(gen_score, keep)]),
                        "loss_backward_optimizer": median([run["step_s"][i] - g for g, i in zip(gen_score, keep)])},
             "steps": n}
 
 
-def line_fit(xs: list[float], ys: list[float]) -> dict:
-    """Least squares y = a + b x: a is the fixed per-step cost, b the cost per response token."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return {"fixed_s": my - b * mx, "s_per_token_of_length": b}
+def intercept(rows: list[dict], key: str) -> dict:
+    """s/step = a + b * length through the two shortest lengths: a is the fixed per-step cost
+    (what a step costs before any token), b the cost of one more token in every response."""
+    (x0, y0), (x1, y1) = sorted((r["max_tokens"], r[key]) for r in rows)[:2]
+    b = (y1 - y0) / (x1 - x0)
+    return {"fixed_s": y0 - b * x0, "s_per_token_of_length": b}
 
 
 def main() -> None:
@@ -251,6 +270,9 @@ def main() -> None:
     ap.add_argument("--sweep-prompts", type=int, default=8)
     ap.add_argument("--sweep-steps", type=int, default=4, help="steps per length and side (the first is warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on each side (2 cores, shared)")
+    ap.add_argument("--max-load", type=float, default=2.5,
+                    help="before each run, wait while the 1-minute load is above this (other work skews timings)")
+    ap.add_argument("--max-wait-s", type=float, default=60.0, help="longest wait for a low load, per run")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--job", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -258,6 +280,7 @@ def main() -> None:
         return ours_job(json.loads(Path(args.job[0]).read_text()), args.job[1])
 
     t_all = time.perf_counter()
+    WAIT.update(max_load=args.max_load, max_wait_s=args.max_wait_s)
     py = ensure_trl_venv()
     for k, v in env(args.threads).items():
         os.environ[k] = v
@@ -281,7 +304,7 @@ def main() -> None:
         c = json.loads((sweep_model / name).read_text())
         c["eos_token_id"] = never_emitted
         (sweep_model / name).write_text(json.dumps(c))
-    from_warm = [f"model.path={warm}", "model.synthesize=", "sft.steps=0"]
+    from_warm = [f"model.path={warm}", "model.synthesize=''", "sft.steps=0"]
 
     # 2. accuracy at equal wall-clock, recipe batch (32 prompts x 8, 4 tokens)
     P, L = preset.data.prompts_per_step, preset.rollout.max_response_tokens
@@ -296,27 +319,31 @@ def main() -> None:
     # 3. s/step as completions lengthen (forced to full length)
     sweep = []
     for length in [int(x) for x in args.lengths.split(",")]:
-        o = ours(args, f"len{length}", [f"model.path={sweep_model}", "model.synthesize=", "sft.steps=0",
+        steps = max(args.sweep_steps, min(24, args.sweep_steps * 32 // length))  # short steps are noisy: more
+        o = ours(args, f"len{length}", [f"model.path={sweep_model}", "model.synthesize=''", "sft.steps=0",
                                         f"rollout.max_response_tokens={length}",
                                         f"data.prompts_per_step={args.sweep_prompts}",
                                         f"actor.micro_batch_size={args.sweep_prompts * n}"],
-                 max_steps=args.sweep_steps)
+                 max_steps=steps)
         t = trl(args, py, f"len{length}", model=str(warm), train=train, eval=[], train_prompt_ids=w["train_ids"],
                 prompts_per_step=args.sweep_prompts, max_tokens=length, force_length=True,
-                max_steps=args.sweep_steps)
+                max_steps=steps)
         so, st = ours_summary(o), trl_summary(t)
         sweep.append({"max_tokens": length, "prompts": args.sweep_prompts, "n": n,
                       "ours_s_per_step": so["s_per_step"], "trl_s_per_step": st["s_per_step"],
                       "trl_over_ours": st["s_per_step"] / so["s_per_step"], "ours_response_len": so["response_len"],
-                      "ours_phases": so["phases"], "ours_unaccounted": so["unaccounted"], "trl_phases": st["phases"],
-                      "load_1m": [o["load_1m"][0], t["load_1m"][1]]})
+                      "ours_phases": so["phases"], "ours_unaccounted": so["unaccounted"], "ours_rest": so["rest"],
+                      "trl_phases": st["phases"], "load_1m_before_after": {"ours": o["load_1m"], "trl": t["load_1m"]}})
 
     so, st = ours_summary(acc_ours), trl_summary(acc_trl)
     final = lambda run: run["evals"][-1]  # noqa: E731
     result = {
         "benchmark": "cpu_vs_trl",
         "machine": machine(acc_trl["versions"]),
-        "load_1m_at_start": load_start[0],
+        "load": {"load_1m_at_start": load_start[0], "wait_rule": f"each run waits up to {args.max_wait_s:.0f}s "
+                 f"for a 1-minute load <= {args.max_load}", "waited_s": WAIT["waited_s"],
+                 "per_run_load_1m_before_after": {"ours_acc": acc_ours["load_1m"], "trl_acc": acc_trl["load_1m"]},
+                 "note": "2 cores shared with other work; each row of s_per_step carries its own load"},
         "settings": {
             "model": "colocate_rl.models.tiny qwen3-small (2 layers, hidden 128, vocab 320), float32",
             "task": f"arithmetic a+b=, a in 0..{ar.max_operand}, b in 0..{ar.max_operand_b}; "
@@ -356,19 +383,45 @@ def main() -> None:
         "s_per_step": [{"max_tokens": L, "prompts": P, "n": n, "ours_s_per_step": so["s_per_step"],
                         "trl_s_per_step": st["s_per_step"], "trl_over_ours": st["s_per_step"] / so["s_per_step"],
                         "ours_phases": so["phases"], "ours_unaccounted": so["unaccounted"],
-                        "trl_phases": st["phases"], "note": "from the accuracy runs (recipe batch)"}] + sweep,
+                        "ours_rest": so["rest"], "trl_phases": st["phases"],
+                        "note": "from the accuracy runs (recipe batch)"}] + sweep,
         "fixed_per_step_cost": {
-            "ours": line_fit([r["max_tokens"] for r in sweep], [r["ours_s_per_step"] for r in sweep]),
-            "trl": line_fit([r["max_tokens"] for r in sweep], [r["trl_s_per_step"] for r in sweep]),
-            "note": f"straight-line fit of s/step over the sweep lengths at {args.sweep_prompts} prompts x {n}",
+            "ours": intercept(sweep, "ours_s_per_step"),
+            "trl": intercept(sweep, "trl_s_per_step"),
+            "ours_length_independent_phases_s": {
+                f"{r['prompts']}x{r['n']}x{r['max_tokens']}": sum(r["ours_phases"][p] for p in FIXED_PHASES)
+                for r in sweep},
+            "note": f"intercept of s/step over the two shortest sweep lengths at {args.sweep_prompts} prompts x "
+                    f"{n}; ours_length_independent_phases_s: {' + '.join(FIXED_PHASES)}",
         } if len(sweep) > 1 else {},
         "total_s": time.perf_counter() - t_all,
     }
+    result["previous_runs"] = previous_runs(args.out, result["settings"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out} "
           f"({result['total_s']:.0f}s)")
+
+
+def headline(r: dict) -> dict:
+    a = r["accuracy_at_equal_wall_clock"]
+    return {"date": r["machine"]["date"], "load_1m_at_start": r.get("load", {}).get("load_1m_at_start"),
+            "accuracy": {"ours": a["ours"]["accuracy"], "trl": a["trl"]["accuracy"], "budget_s": a["budget_s"]},
+            "s_per_step": {f"{x['prompts']}x{x['n']}x{x['max_tokens']}": [x["ours_s_per_step"], x["trl_s_per_step"]]
+                           for x in r["s_per_step"]}}
+
+
+def previous_runs(path: Path, settings: dict) -> list[dict]:
+    """Headlines of up to 5 earlier runs with the same settings, from the file about to be replaced:
+    on a shared 2-core machine one run's timings move by 20-30%, so the spread is part of the result."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if old.get("settings") != settings:
+        return []
+    return ([headline(old)] + old.get("previous_runs", []))[:5]
 
 
 def check_hf_folder(path: Path) -> None:
@@ -387,17 +440,23 @@ def print_table(r: dict) -> None:
           f"{r['warm_start_result']['eval_accuracy']:.3f})")
     for side in ("ours", "trl"):
         x = a[side]
-        print(f"  {side:5s} {x['accuracy']:.3f}  ({x['steps']} steps in {x['train_s']:.0f}s)")
+        curve = " ".join(f"{t:.0f}s:{acc:.2f}" for t, _, acc in x["curve"])
+        print(f"  {side:5s} {x['accuracy']:.3f}  ({x['steps']} steps in {x['train_s']:.0f}s; curve {curve})")
     print("\nseconds per step (prompts x n x max tokens)")
-    print(f"  {'shape':>12s} {'ours':>8s} {'TRL':>8s} {'TRL/ours':>9s}   our phases (s)")
+    print(f"  {'shape':>9s} {'ours':>7s} {'TRL':>7s} {'TRL/ours':>8s} | ours: {'gen':>6s} {'logp':>6s} {'train':>6s} "
+          f"{'sync':>6s} {'other':>6s} | TRL: {'gen':>6s} {'train':>6s}")
     for row in r["s_per_step"]:
         shape = f"{row['prompts']}x{row['n']}x{row['max_tokens']}"
-        ph = " ".join(f"{k}={v:.3f}" for k, v in row["ours_phases"].items() if v >= 0.002)
-        print(f"  {shape:>12s} {row['ours_s_per_step']:8.3f} {row['trl_s_per_step']:8.3f} "
-              f"{row['trl_over_ours']:9.2f}   {ph}")
+        ph, tp = row["ours_phases"], row["trl_phases"]
+        other = row["ours_rest"]
+        print(f"  {shape:>9s} {row['ours_s_per_step']:7.3f} {row['trl_s_per_step']:7.3f} {row['trl_over_ours']:8.2f} |"
+              f"       {ph['generate']:6.3f} {ph['logprobs']:6.3f} {ph['train']:6.3f} {ph['sync']:6.3f} {other:6.3f} |"
+              f"      {tp['generate']:6.3f} {tp['loss_backward_optimizer']:6.3f}")
     f = r.get("fixed_per_step_cost")
     if f:
-        print(f"\nfixed per-step cost (fit): ours {f['ours']['fixed_s']:.3f}s, TRL {f['trl']['fixed_s']:.3f}s")
+        print(f"\nfixed per-step cost (intercept at 0 tokens): ours {f['ours']['fixed_s']:.3f}s, "
+              f"TRL {f['trl']['fixed_s']:.3f}s; per token of length: ours "
+              f"{f['ours']['s_per_token_of_length'] * 1e3:.1f}ms, TRL {f['trl']['s_per_token_of_length'] * 1e3:.1f}ms")
 
 
 if __name__ == "__main__":
