@@ -109,3 +109,18 @@ def test_reward_and_task_knobs():
     assert "reward.timeout_s" in err(["reward.timeout_s=0"])
     assert "data.arithmetic" in err(["data.arithmetic.ops=/"])
     assert "algorithm.advantage" in err(["algorithm.advantage=ppo"])
+
+
+def test_preset_needing_gpus_fails_in_one_line_before_loading(monkeypatch):
+    from pathlib import Path
+
+    from colocate_rl import cli, platform
+
+    monkeypatch.setattr(platform, "has_gpu", lambda: False)
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    cfg = load(cli.preset_config(recipes / "qwen3_grpo.yaml", "qwen3-8b", recipe="qwen3_grpo"))
+    with pytest.raises(SystemExit, match="preset qwen3-8b needs 8 GPUs per node; this machine has 0"):
+        cli.check_hardware(cfg)
+    with pytest.raises(ConfigError, match="preset='nope' is not one of tiny, qwen3-8b"):
+        cli.preset_config(recipes / "qwen3_grpo.yaml", "nope", recipe="qwen3_grpo")
+    cli.check_hardware(load(cli.preset_config(recipes / "qwen3_grpo.yaml", "tiny", recipe="qwen3_grpo")))
