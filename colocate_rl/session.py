@@ -72,9 +72,6 @@ class Session:
         answers = [self.tokenizer(s.label, add_special_tokens=False).input_ids + [eos] for s in rows]
         return RolloutBatch.from_rows([s.prompt_ids for s in rows], answers, rows, self.tokenizer.pad_token_id)
 
-    def maybe_checkpoint(self) -> None:
-        pass  # checkpoint/resume: see colocate_rl/checkpoint.py when enabled
-
     def finish(self) -> dict:
         out = {"run_dir": str(self.run_dir), "steps": self.step, "seconds": time.perf_counter() - self.started}
         if self.cfg.logging.plot and (self.run_dir / "metrics.jsonl").exists():
