@@ -33,7 +33,9 @@ def init_process_group() -> tuple[int, int]:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    pick_port = "MASTER_PORT" not in os.environ
+    # A lone process (no WORLD_SIZE) picks its own port: a MASTER_PORT it inherited belongs to its
+    # parent's process group (a test runner, a launcher), which is still listening on it.
+    pick_port = "MASTER_PORT" not in os.environ or "WORLD_SIZE" not in os.environ
     if pick_port and world > 1:
         raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
     if platform.has_gpu():
