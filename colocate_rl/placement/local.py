@@ -9,7 +9,7 @@ from colocate_rl.config import Config, actor_world_size
 from colocate_rl.rollout import RolloutEngine
 from colocate_rl.trainer import Actor
 from colocate_rl.weight_sync.ipc import SyncStats
-from colocate_rl.weight_sync.verify import compare, tensor_checksum, verifiable
+from colocate_rl.weight_sync.verify import compare, verifiable_checksums
 
 
 @dataclass
@@ -22,7 +22,7 @@ class LocalColocated:
 
     def verify(self) -> int:
         """Checksums of a few tensors inside the engine equal the actor's; returns how many were checked."""
-        sums = {n: tensor_checksum(t) for n, t in self.actor.export_hf_weights() if n in verifiable([n])}
+        sums = verifiable_checksums(self.actor.export_hf_weights())
         compare(sums, self.rollout.checksum(list(sums)))
         return len(sums)
 

@@ -111,9 +111,9 @@ class ActorRank(_Host):
         return (self.sender.make_message(item), item.nbytes) if self.sender else (None, 0)
 
     def checksums(self) -> dict[str, float]:
-        from colocate_rl.weight_sync.verify import tensor_checksum, verifiable
+        from colocate_rl.weight_sync.verify import verifiable_checksums
 
-        return {n: tensor_checksum(t) for n, t in self.obj.export_hf_weights() if n in verifiable([n])}
+        return verifiable_checksums(self.obj.export_hf_weights())
 
     def end_sync(self) -> int:
         self.buckets = None

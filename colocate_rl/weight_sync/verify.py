@@ -17,12 +17,20 @@ class WeightMismatch(RuntimeError):
     pass
 
 
+# Tensors vLLM keeps unfused and unpacked (embeddings, final norm, lm_head, first layer's norms):
+# the ones whose checksum can be read inside the engine.
+VERIFIABLE = ("embed_tokens.weight", "model.norm.weight", "lm_head.weight", "layers.0.input_layernorm.weight",
+              "layers.0.post_attention_layernorm.weight")
+
+
 def verifiable(names) -> list[str]:
-    """Tensors vLLM keeps unfused and unpacked (embeddings, final norm, lm_head, first layer's
-    norms): the ones whose checksum can be read inside the engine."""
-    keep = ("embed_tokens.weight", "model.norm.weight", "lm_head.weight", "layers.0.input_layernorm.weight",
-            "layers.0.post_attention_layernorm.weight")
-    return [n for n in names if n.endswith(keep)]
+    return [n for n in names if n.endswith(VERIFIABLE)]
+
+
+def verifiable_checksums(named_tensors) -> dict[str, float]:
+    """Checksums of the verifiable tensors among HF-named ones. Consumes the whole iterator: the
+    actor's export is collective, every rank must walk it to the end."""
+    return {n: tensor_checksum(t) for n, t in named_tensors if n.endswith(VERIFIABLE)}
 
 
 def compare(actor: dict[str, float], engine: dict[str, float], who: str = "actor") -> None:
