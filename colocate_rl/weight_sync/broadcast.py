@@ -1,0 +1,173 @@
+"""Weight broadcast across machines: one process group spanning the actor's gathering rank (rank 0)
+and every vLLM worker of every engine (ranks 1..), buckets in the IPC path's format (buckets.py).
+
+The group is built from its own TCPStore and a process-group object constructed directly
+(``ProcessGroupGloo`` / ``ProcessGroupNCCL``), not through ``init_process_group``: both sides
+already own a default group (Megatron's world on the actor, vLLM's TP world in each worker) that
+must stay untouched. Backends: gloo on CPU, nccl on GPU — on ROCm torch's "nccl" backend is RCCL.
+
+Per bucket the sender broadcasts three things, in this order on every rank: the sizes (int64 [2]:
+header bytes, payload bytes; [0, 0] ends the sync), the pickled metas (uint8), then the payload
+as bytes (any dtype travels as its uint8 view, FP8 included: NCCL has no FP8 type everywhere).
+Pipelined: the sender packs bucket k+1 while bucket k is on the wire; a receiver loads bucket k
+while bucket k+1 is on the wire. Every wait has a timeout and a hang raises ``BroadcastTimeout``
+naming the group, the rank and the bucket.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
+from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
+
+
+class BroadcastTimeout(WeightSyncError):
+    """A broadcast that did not complete in time; the message names the group, rank and bucket."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every member needs to join: rank 0 (the sender) hosts the store at master_addr:master_port."""
+
+    name: str
+    master_addr: str
+    master_port: int
+    world_size: int  # 1 sender + every engine worker
+    backend: str  # gloo | nccl (RCCL on ROCm)
+    timeout_s: float = 600.0
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "gloo" if torch.device(device).type == "cpu" else "nccl"
+
+
+class BroadcastGroup:
+    """One member of a weight-broadcast group. Rank 0 sends (``send``), the others ``receive``."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | str = "cpu") -> None:
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"weight broadcast group '{spec.name}': rank {rank} outside world size {spec.world_size}")
+        self.spec, self.rank, self.device = spec, rank, torch.device(device)
+        timeout = timedelta(seconds=spec.timeout_s)
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        self._store = store  # rank 0 serves the store: keep it alive as long as the group
+        prefixed = dist.PrefixStore(f"colocate_rl/{spec.name}", store)
+        try:
+            if spec.backend == "gloo":
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+            elif spec.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
+            else:
+                raise ValueError(f"weight broadcast group '{spec.name}': backend {spec.backend!r} is not gloo or nccl")
+        except RuntimeError as e:
+            raise BroadcastTimeout(f"{self._who()}: could not form the group ({str(e).splitlines()[0]})") from e
+
+    def _who(self) -> str:
+        return f"weight broadcast group '{self.spec.name}' rank {self.rank} of {self.spec.world_size}"
+
+    def _start(self, t: torch.Tensor) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.pg.broadcast([t], opts)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(timedelta(seconds=self.spec.timeout_s))
+        except RuntimeError as e:  # gloo: "Timed out waiting ...", nccl: watchdog / wait timeout
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BroadcastTimeout(f"{self._who()}: {what} did not complete within {self.spec.timeout_s:g} s "
+                                   f"(a peer died or stopped participating): {first}") from e
+
+    def _sizes(self, header: int, payload: int, what: str) -> tuple[int, int]:
+        t = torch.tensor([header, payload], dtype=torch.int64, device=self.device)
+        self._wait(self._start(t), f"the sizes of {what}")
+        return int(t[0]), int(t[1])
+
+    # ------------------------------------------------------------------ sender
+
+    def send(self, buckets: Iterable[Bucket]) -> SyncStats:
+        """Rank 0: broadcasts every bucket, then the end marker. ``buckets`` is consumed lazily, so
+        the next bucket is packed while the previous one is on the wire."""
+        if self.rank != 0:
+            raise RuntimeError(f"{self._who()}: only rank 0 sends")
+        stats, t0 = SyncStats(), time.perf_counter()
+        in_flight: tuple[dist.Work, Bucket, int] | None = None
+        for i, bucket in enumerate(buckets):
+            header = pickle.dumps(bucket.metas)
+            self._sizes(len(header), bucket.nbytes, f"bucket {i}")
+            h = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+            self._wait(self._start(h), f"the header of bucket {i}")
+            work = self._start(bucket.flat.view(torch.uint8))
+            if in_flight is not None:
+                self._wait(in_flight[0], f"bucket {in_flight[2]}")
+            in_flight = (work, bucket, i)
+            stats.bytes += bucket.nbytes
+            stats.buckets += 1
+        if in_flight is not None:
+            self._wait(in_flight[0], f"bucket {in_flight[2]}")
+        self._sizes(0, 0, "the end marker")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    # ------------------------------------------------------------------ receivers
+
+    def _next(self, i: int) -> tuple[list[TensorMeta], torch.Tensor, dist.Work] | None:
+        header_len, payload = self._sizes(0, 0, f"bucket {i}")
+        if header_len == 0:
+            return None
+        h = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+        self._wait(self._start(h), f"the header of bucket {i}")
+        metas: list[TensorMeta] = pickle.loads(h.cpu().numpy().tobytes())
+        raw = torch.empty(payload, dtype=torch.uint8, device=self.device)
+        return metas, raw, self._start(raw)
+
+    def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> SyncStats:
+        """Ranks > 0: ``load(named views)`` per bucket until the end marker; bucket k is loaded
+        while bucket k+1 arrives. The views are valid only during the call."""
+        if self.rank == 0:
+            raise RuntimeError(f"{self._who()}: rank 0 sends, it does not receive")
+        stats, t0, i = SyncStats(), time.perf_counter(), 0
+        nxt = self._next(0)
+        while nxt is not None:
+            metas, raw, work = nxt
+            self._wait(work, f"bucket {i}")
+            nxt = self._next(i + 1)  # starts the next transfer before this bucket is loaded
+            flat = raw.view(metas[0].dtype)
+            load(unpack(Bucket(flat, metas)))
+            stats.bytes += raw.numel()
+            stats.buckets += 1
+            i += 1
+            del raw, flat
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def close(self) -> None:
+        """Drops the group; NCCL communicators are aborted so a group with a dead member does not hang exit."""
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is not None and self.spec.backend == "nccl":
+            for method in ("abort", "shutdown"):
+                if hasattr(pg, method):
+                    try:
+                        getattr(pg, method)()
+                    except RuntimeError:
+                        pass
+                    break
+        self._store = None
+
+
+__all__ = ["BroadcastGroup", "BroadcastTimeout", "GroupSpec", "backend_for"]
