@@ -19,18 +19,22 @@ def te_available() -> bool:
 
 
 def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None):
-    """GPTModel holding this pipeline stage's layers (embedding on the first, output on the last)."""
+    """This pipeline stage's model: the family's own builder, else a GPTModel (embedding on the first
+    stage, output on the last)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     use_te = te_available() and platform.has_gpu() if use_te is None else use_te
-    model = GPTModel(
-        config,
-        family.layer_spec(config, use_te),
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        **family.model_kwargs(hf),
-    )
+    if family.build is not None:
+        model = family.build(hf, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    else:
+        model = GPTModel(
+            config,
+            family.layer_spec(config, use_te),
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            **family.model_kwargs(hf),
+        )
     if platform.has_gpu():
         # Some modules create parameters on the host whatever the config says (the MoE router
         # moves its weight lazily at its first forward, after the optimizer has wrapped it).

@@ -1,4 +1,9 @@
-"""Read tensors, or slices of them, from an HF safetensors folder without loading whole files."""
+"""Read tensors, or slices of them, from an HF safetensors folder without loading whole files.
+
+Quantised weights (FP8 128x128 blocks, MXFP4 experts: a ``<module>.weight`` in float8 / packed
+int8 with a ``<module>.scale`` beside it, as DeepSeek-V4 ships them) read back dequantised to
+bf16; the block size comes from config.json's ``quantization_config.weight_block_size``.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,11 @@ class HFCheckpoint:
                 with safe_open(str(f), "pt") as h:
                     self._file.update({name: f for name in h.keys()})
         self._handles: dict[Path, object] = {}
+        self._block = (128, 128)
+        cfg = self.path / "config.json"
+        if cfg.is_file():
+            quant = json.loads(cfg.read_text()).get("quantization_config") or {}
+            self._block = tuple(quant.get("weight_block_size") or self._block)
 
     def __contains__(self, name: str) -> bool:
         return name in self._file
@@ -46,8 +56,15 @@ class HFCheckpoint:
         return self._slice(name).get_shape()
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """The tensor, or rows [start:stop) of it along ``dim`` (only those bytes are read)."""
+        """The tensor, or rows [start:stop) of it along ``dim`` (only those bytes are read; a
+        quantised weight is read whole and dequantised first)."""
         sl = self._slice(name)
+        scale = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+        if scale in self._file and sl.get_dtype() in ("F8_E4M3", "I8", "U8", "F4"):
+            from colocate_rl.models.quantized import dequantize
+
+            full = dequantize(sl[:], self._slice(scale)[:], self._block)
+            return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
         if dim is None:
             return sl[:]
         index = (slice(None),) * dim + (slice(start, stop),)

@@ -155,6 +155,11 @@ def load_hf_weights(model, specs: list[ParamSpec], path) -> int:
         if canonical not in by_name:
             raise ValueError(f"no HF mapping for Megatron parameter {local} (canonical {canonical})")
         todo.append((local, param, by_name[canonical]))
+    # Buffers that carry checkpoint state (DeepSeek-V4's frozen routing tables) load when a spec names them.
+    for local, buf in model.named_buffers():
+        canonical = where.to_canonical(local)
+        if canonical in by_name:
+            todo.append((local, buf, by_name[canonical]))
     with HFCheckpoint(path) as ckpt:
         ckpt.require(h for _, _, s in todo for h in s.hf)
         for local, param, spec in todo:

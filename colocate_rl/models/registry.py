@@ -10,13 +10,13 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
 
 # Modules that register families when imported.
-_BUILTIN = ("colocate_rl.models.qwen3",)
+_BUILTIN = ("colocate_rl.models.qwen3", "colocate_rl.models.deepseek_v4")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ class Family:
     params: Callable[[dict], "list[ParamSpec]"]
     # (hf_config, tp, pp, ep) -> raises ValueError naming the field when the layout cannot work
     check_parallel: Callable[[dict, int, int, int], None]
+    # (hf_config, TransformerConfig, pre_process, post_process) -> the model, for families whose
+    # blocks do not fit GPTModel's TransformerBlock (DeepSeek-V4's hc_mult residual streams);
+    # None builds a GPTModel from layer_spec and model_kwargs.
+    build: Optional[Callable] = None
 
 
 _FAMILIES: dict[str, Family] = {}

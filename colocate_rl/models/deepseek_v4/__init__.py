@@ -1,0 +1,92 @@
+"""DeepSeek-V4 (Flash / Pro layout) as a model family: mHC residual streams, compressed sparse
+attention (window, C4 + indexer, C128), hash-routed and noaux_tc MoE. See model.py for the
+blocks, weights.py for the names, config.py for the hyper-parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from colocate_rl.models.deepseek_v4.config import Hparams
+from colocate_rl.models.deepseek_v4.weights import params
+from colocate_rl.models.registry import Family, register
+
+
+def check_parallel(hf: dict, tp: int, pp: int, ep: int) -> None:
+    h = Hparams.from_official(hf)
+    if pp != 1:
+        raise ValueError(f"actor.pp={pp}: deepseek_v4 runs without pipeline parallelism here (its hc_mult residual "
+                         "streams do not fit Megatron's pipeline send/receive shapes); use actor.pp=1")
+    for field, value in (("num_attention_heads", h.num_heads), ("o_groups", h.o_groups), ("vocab_size", h.vocab_size),
+                         ("moe_intermediate_size", h.moe_intermediate_size)):
+        if value % tp:
+            raise ValueError(f"actor.tp={tp} does not divide the model's {field}={value}")
+    if h.num_experts % ep:
+        raise ValueError(f"actor.ep={ep} does not divide the model's n_routed_experts={h.num_experts}")
+
+
+def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
+    """Megatron TransformerConfig: drives the MoE layer, the parallel linears and the schedule
+    (the attention fields are the model's own, read from Hparams)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    h = Hparams.from_official(hf)
+    if h.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        raise ValueError(f"scoring_func={h.scoring_func!r} is not supported for deepseek_v4")
+    return TransformerConfig(
+        num_layers=h.num_layers,
+        hidden_size=h.hidden_size,
+        ffn_hidden_size=h.moe_intermediate_size,
+        num_attention_heads=h.num_heads,
+        kv_channels=h.head_dim,
+        layernorm_epsilon=h.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        # SwiGLU clamp of the released model: gate ≤ limit, |up| ≤ limit (routed and shared experts).
+        activation_func_clamp_value=h.swiglu_limit or None,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        num_moe_experts=h.num_experts,
+        moe_router_topk=h.topk,
+        moe_ffn_hidden_size=h.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=h.moe_intermediate_size * h.num_shared_experts,
+        moe_router_score_function=h.scoring_func,
+        moe_router_enable_expert_bias=True,  # noaux_tc: the bias picks experts, never weights them
+        moe_router_topk_scaling_factor=h.routed_scaling_factor,
+        moe_router_pre_softmax=True,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_token_dispatcher_type="alltoall",
+        **runtime,
+    )
+
+
+def build(hf: dict, config, pre_process: bool = True, post_process: bool = True):
+    from colocate_rl.models.deepseek_v4.model import DeepseekV4Model
+
+    return DeepseekV4Model(config, Hparams.from_official(hf), pre_process, post_process)
+
+
+def _no_layer_spec(config, use_te: bool):
+    raise ValueError("deepseek_v4 is built by its own model builder (mHC streams), not from a GPT layer spec")
+
+
+FAMILY = register(Family(
+    name="deepseek_v4", model_types=("deepseek_v4",), transformer_config=transformer_config,
+    layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
+    build=build,
+))

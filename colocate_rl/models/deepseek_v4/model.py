@@ -1,0 +1,399 @@
+"""DeepSeek-V4 as megatron-core modules (megatron-core 0.19.2 has none of its blocks).
+
+Shapes: b batch, s sequence, hc = hc_mult residual streams, D hidden, H heads (H/tp on a rank),
+d head_dim, r rope_dim, n compressed entries. The decoder keeps the residual as hc streams
+[b, s, hc, D] (mHC), so it cannot be GPTModel's TransformerBlock; the routed MoE is Megatron's
+MoELayer (token dispatcher, SequentialMLP experts, shared expert) with a router that adds hash
+routing; projections that split over tensor parallelism are Megatron's Column/RowParallelLinear.
+
+What each block computes (numerically the same order as transformers' deepseek_v4, the reference):
+  mHC       pre/post/comb weights from the flattened streams (unweighted RMSNorm, one linear),
+            comb projected on doubly-stochastic matrices by Sinkhorn; block input = Σ pre·stream;
+            new streams = post ⊗ block output + combᵀ · streams.
+  attention low-rank q (q_lora_rank) with per-head unweighted RMSNorm, one shared K=V head,
+            interleaved RoPE on the trailing rope_dim channels (undone on the output), a learned
+            per-head sink logit, a sliding window on every layer, plus compressed entries:
+            C4 (ratio 4, overlapping windows, top-k picked by the lightning indexer) or C128
+            (ratio 128, all causal entries); grouped low-rank output projection (o_groups).
+  MoE       sqrtsoftplus scores, noaux_tc (a frozen bias picks the top-k, unbiased scores weight
+            them), routed_scaling_factor, SwiGLU clamped at swiglu_limit, one shared expert; the
+            first num_hash_layers pick experts by a frozen token-id → expert table.
+Pipeline parallelism is not supported (the streams would have to cross stages as hc·D).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+
+from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
+from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, rope_cos_sin,
+                                                 unweighted_rms_norm)
+
+
+def _device(config):
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
+def _param(config, *shape, dtype=None) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype or config.params_dtype, device=_device(config)))
+
+
+# ---------------------------------------------------------------- small pieces
+
+
+class RMSNorm(torch.nn.Module):
+    """x [..., n] → same dtype; normalised in fp32 and multiplied by the weight in fp32 before the
+    rounding (the released model keeps its norm weights in fp32)."""
+
+    def __init__(self, config, n: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n, dtype=config.params_dtype, device=_device(config)))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """y = x Wᵀ with W [out, in] whole on every tensor-parallel rank (the shared K=V head, the
+    q down-projection, the compressor and indexer: small, and every head needs all of them)."""
+
+    def __init__(self, config, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = _param(config, n_out, n_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+# ---------------------------------------------------------------- mHC
+
+
+class HyperConnection(MegatronModule):
+    """mHC around one block: streams [b, s, hc, D] → (post, comb, block input [b, s, D])."""
+
+    def __init__(self, config, h: Hparams):
+        super().__init__(config=config)
+        n = (2 + h.hc_mult) * h.hc_mult
+        self.h = h
+        self.fn = _param(config, n, h.hc_mult * h.hidden_size, dtype=torch.float32)
+        self.base = _param(config, n, dtype=torch.float32)
+        self.scale = _param(config, 3, dtype=torch.float32)
+
+    def forward(self, streams: torch.Tensor):
+        h = self.h
+        pre, post, comb = hc_mix_weights(streams, self.fn, self.base, self.scale, h.hc_mult, h.hc_sinkhorn_iters,
+                                         h.hc_eps, h.rms_norm_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(MegatronModule):
+    """Final merge of the hc streams [b, s, hc, D] → [b, s, D] (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, config, h: Hparams):
+        super().__init__(config=config)
+        self.h = h
+        self.fn = _param(config, h.hc_mult, h.hc_mult * h.hidden_size, dtype=torch.float32)
+        self.base = _param(config, h.hc_mult, dtype=torch.float32)
+        self.scale = _param(config, 1, dtype=torch.float32)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.h.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.h.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+# ---------------------------------------------------------------- compressed attention
+
+
+class Compressor(MegatronModule):
+    """Pools every ``ratio`` tokens into one entry: softmax over the window of (gate + position
+    bias) weights the projected tokens, then RMSNorm and RoPE at the window's first position.
+    ``overlap`` (C4 and the indexer): each token projects two series, the entry of window w mixes
+    window w-1's first series with window w's second (width 2·ratio, stride ratio)."""
+
+    def __init__(self, config, h: Hparams, ratio: int, dim: int, overlap: bool):
+        super().__init__(config=config)
+        width = 2 * dim if overlap else dim
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        self.linear_kv = ReplicatedLinear(config, h.hidden_size, width)
+        self.linear_gate = ReplicatedLinear(config, h.hidden_size, width)
+        self.position_bias = _param(config, ratio, width, dtype=torch.float32)
+        self.norm = RMSNorm(config, dim, h.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin_of) -> torch.Tensor:
+        """x [b, s, D] → entries [b, n, dim] with n = s // ratio (a trailing partial window is dropped)."""
+        b, s, _ = x.shape
+        n, m, d = s // self.ratio, self.ratio, self.dim
+        if n == 0:
+            return x.new_zeros(b, 0, d)
+        kv = self.linear_kv(x)[:, : n * m].view(b, n, m, -1)
+        gate = self.linear_gate(x)[:, : n * m].view(b, n, m, -1) + self.position_bias
+        if self.overlap:
+            first_kv = torch.cat([kv.new_zeros(b, 1, m, d), kv[:, :-1, :, :d]], dim=1)
+            first_gate = torch.cat([gate.new_full((b, 1, m, d), float("-inf")), gate[:, :-1, :, :d]], dim=1)
+            kv = torch.cat([first_kv, kv[..., d:]], dim=2)
+            gate = torch.cat([first_gate, gate[..., d:]], dim=2)
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        positions = (torch.arange(n, device=x.device) * m).unsqueeze(0).expand(b, -1)
+        cos, sin = cos_sin_of(positions, pooled.dtype)
+        return apply_rope(pooled.unsqueeze(2), cos, sin).squeeze(2)
+
+
+class Indexer(MegatronModule):
+    """Lightning indexer of C4 layers: score(t, w) = Σ_h w_{t,h} · ReLU(q_{t,h} · k_w) over its own
+    compressed keys; each query keeps the top index_topk causal entries (−1 marks a pick past
+    the causal limit)."""
+
+    def __init__(self, config, h: Hparams, ratio: int):
+        super().__init__(config=config)
+        self.h, self.ratio = h, ratio
+        self.compressor = Compressor(config, h, ratio, h.index_head_dim, overlap=True)
+        self.linear_q_up = ReplicatedLinear(config, h.q_lora_rank, h.index_n_heads * h.index_head_dim)
+        self.linear_weights = ReplicatedLinear(config, h.hidden_size, h.index_n_heads)
+
+    def forward(self, x, q_residual, positions, cos_sin_of) -> torch.Tensor:
+        h = self.h
+        b, s, _ = x.shape
+        keys = self.compressor(x, cos_sin_of)  # [b, n, c]
+        n = keys.shape[1]
+        q = self.linear_q_up(q_residual).view(b, s, h.index_n_heads, h.index_head_dim)
+        cos, sin = cos_sin_of(positions, x.dtype)
+        q = apply_rope(q, cos, sin)
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # [b, s, heads, n]
+        scores = F.relu(scores) * h.index_head_dim ** -0.5
+        weights = self.linear_weights(x).float() * h.index_n_heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, n]
+        limit = (positions + 1) // self.ratio  # entries w < limit are complete before t
+        future = torch.arange(n, device=x.device).view(1, 1, -1) >= limit.unsqueeze(-1)
+        top = scores.masked_fill(future, float("-inf")).topk(min(h.index_topk, n), dim=-1).indices
+        return torch.where(top >= limit.unsqueeze(-1), torch.full_like(top, -1), top)
+
+
+class Attention(MegatronModule):
+    """x [b, s, D] → [b, s, D] for one decoder layer (window, C4 or C128 by compress_ratios)."""
+
+    def __init__(self, config, h: Hparams, layer: int):
+        super().__init__(config=config)
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.h, self.ratio = h, h.compress_ratios[layer]
+        self.heads = h.num_heads // tp
+        self.groups = h.o_groups // tp
+        init = config.init_method
+        self.linear_q_down = ReplicatedLinear(config, h.hidden_size, h.q_lora_rank)
+        self.q_layernorm = RMSNorm(config, h.q_lora_rank, h.rms_norm_eps)
+        self.linear_q_up = tensor_parallel.ColumnParallelLinear(
+            h.q_lora_rank, h.num_heads * h.head_dim, config=config, init_method=init, bias=False,
+            gather_output=False, skip_bias_add=True)
+        self.linear_kv = ReplicatedLinear(config, h.hidden_size, h.head_dim)
+        self.kv_layernorm = RMSNorm(config, h.head_dim, h.rms_norm_eps)
+        # Grouped output projection: group g maps its heads' H·d/G channels to o_lora_rank; the
+        # groups (whole heads) split over tensor parallelism, then a row-parallel mix to D.
+        self.linear_o_down = _param(config, self.groups * h.o_lora_rank, h.num_heads * h.head_dim // h.o_groups)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.linear_o_down, True, 0, 1)
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            h.o_groups * h.o_lora_rank, h.hidden_size, config=config, init_method=init, bias=False,
+            input_is_parallel=True, skip_bias_add=True)
+        self.sinks = _param(config, self.heads, dtype=torch.float32)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.sinks, True, 0, 1)
+        self.register_buffer("inv_freq", rope_inv_freq(h, compress=self.ratio > 0), persistent=False)
+        self.register_buffer("compress_inv_freq", rope_inv_freq(h, compress=True), persistent=False)
+        self.compressor = Compressor(config, h, self.ratio, h.head_dim, overlap=self.ratio == 4) if self.ratio else None
+        self.indexer = Indexer(config, h, self.ratio) if self.ratio == 4 else None
+
+    def _compress_cos_sin(self, positions, dtype):
+        return rope_cos_sin(self.compress_inv_freq, positions, dtype)
+
+    def _mask(self, x, positions, q_residual) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(compressed entries [b, n, d] or None, additive mask [b, 1, s, s + n])."""
+        b, s, _ = x.shape
+        i = torch.arange(s, device=x.device)
+        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.h.sliding_window)
+        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        mask = mask.expand(b, 1, s, s)
+        if self.compressor is None:
+            return None, mask
+        entries = self.compressor(x, self._compress_cos_sin)
+        n = entries.shape[1]
+        if self.indexer is None:  # C128: every entry whose window closed before the query
+            limit = (positions + 1) // self.ratio
+            hidden = torch.arange(n, device=x.device).view(1, 1, -1) >= limit.unsqueeze(-1)
+            block = torch.zeros(b, s, n, dtype=x.dtype, device=x.device).masked_fill(hidden, float("-inf"))
+        else:  # C4: only the indexer's picks
+            picks = self.indexer(x, q_residual, positions, self._compress_cos_sin)
+            safe = torch.where(picks >= 0, picks, torch.full_like(picks, n))
+            block = torch.full((b, s, n + 1), float("-inf"), dtype=x.dtype, device=x.device)
+            block = block.scatter(-1, safe, 0.0)[..., :n]
+        return entries, torch.cat([mask, block.unsqueeze(1)], dim=-1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.h
+        b, s, _ = x.shape
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        q_residual = self.q_layernorm(self.linear_q_down(x))
+        q, _ = self.linear_q_up(q_residual)
+        q = unweighted_rms_norm(q.view(b, s, self.heads, h.head_dim), h.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_layernorm(self.linear_kv(x)).view(b, s, 1, h.head_dim), cos, sin)
+        entries, mask = self._mask(x, positions, q_residual)
+        kv = kv.squeeze(2)
+        if entries is not None:
+            kv = torch.cat([kv, entries], dim=1)
+        # Every head reads the one shared K=V head: with heads split over tensor parallelism its
+        # gradient is a sum over all ranks' heads (identity forward, all-reduce backward).
+        kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
+        logits = torch.matmul(q.transpose(1, 2), kv.transpose(1, 2).unsqueeze(1)) * h.head_dim ** -0.5 + mask
+        # The sink logit is fp32 (the released model keeps it so): with it the softmax runs in fp32.
+        sinks = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
+        logits = torch.cat([logits.float(), sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)  # the sink takes mass, adds nothing
+        out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, H/tp, d]
+        # K = V carries RoPE on its trailing channels: rotate the output back by the query position.
+        out = apply_rope(out, cos, -sin)
+        grouped = out.reshape(b, s, self.groups, -1)
+        w = self.linear_o_down.view(self.groups, h.o_lora_rank, -1)
+        grouped = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
+        y, _ = self.linear_proj(grouped)
+        return y
+
+
+# ---------------------------------------------------------------- MoE
+
+
+def _router_class():
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class Router(TopKRouter):
+        """Megatron's TopKRouter (sqrtsoftplus, expert bias = noaux_tc's correction, held frozen)
+        plus hash routing: with ``hash_vocab`` the experts come from ``tid2eid[token]`` and the
+        learned gate only weights them (no bias)."""
+
+        def __init__(self, config, pg_collection=None, is_mtp_layer=False, hash_vocab: int = 0):
+            super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+            # RL keeps the released routing bias: Megatron would move it by bias_update_rate each step.
+            self.frozen_expert_bias = True
+            self.is_hash = hash_vocab > 0
+            self.token_ids: Optional[torch.Tensor] = None  # [s, b], set by the layer before each call
+            if self.is_hash:
+                self.register_buffer("tid2eid", torch.zeros(hash_vocab, self.topk, dtype=torch.long,
+                                                            device=self.weight.device))
+
+        def routing(self, logits: torch.Tensor, padding_mask=None):
+            if not self.is_hash:
+                return super().routing(logits, padding_mask)
+            if self.token_ids is None:
+                raise ValueError("hash-routed MoE layer called without token ids")
+            logits = logits.view(-1, self.config.num_moe_experts)
+            chosen = self.tid2eid[self.token_ids.reshape(-1)].long()
+            return topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=False, scaling_factor=self.config.moe_router_topk_scaling_factor,
+                score_function=self.score_function, precomputed_indices=chosen, fused=False)
+
+    return Router
+
+
+def moe_layer(config, h: Hparams, layer: int):
+    """Megatron MoELayer with local SequentialMLP experts and a shared expert (no gate)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    spec = get_moe_module_spec(use_te=False, num_experts=h.num_experts, moe_grouped_gemm=False)
+    sub = spec.keywords["submodules"]
+    router = functools.partial(_router_class(), hash_vocab=h.vocab_size if h.is_hash(layer) else 0)
+    sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
+                        router=router)
+    return MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+
+
+# ---------------------------------------------------------------- decoder
+
+
+class DecoderLayer(MegatronModule):
+    """streams [b, s, hc, D] → streams: mHC(attention), then mHC(MoE)."""
+
+    def __init__(self, config, h: Hparams, layer: int):
+        super().__init__(config=config)
+        self.layer_number = layer + 1
+        self.attn_hc = HyperConnection(config, h)
+        self.input_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
+        self.self_attention = Attention(config, h, layer)
+        self.mlp_hc = HyperConnection(config, h)
+        self.pre_mlp_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
+        self.mlp = moe_layer(config, h, layer)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = hc_merge(streams, self.self_attention(self.input_layernorm(x), positions), post, comb)
+        post, comb, x = self.mlp_hc(streams)
+        self.mlp.router.token_ids = input_ids.t()
+        y, _ = self.mlp(self.pre_mlp_layernorm(x).transpose(0, 1).contiguous())  # Megatron MoE takes [s, b, D]
+        return hc_merge(streams, y.transpose(0, 1), post, comb)
+
+
+class Decoder(MegatronModule):
+    def __init__(self, config, h: Hparams):
+        super().__init__(config=config)
+        self.layers = torch.nn.ModuleList([DecoderLayer(config, h, i) for i in range(h.num_layers)])
+        self.hc_head = HyperHead(config, h)
+        self.final_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
+
+
+class Embedding(MegatronModule):
+    def __init__(self, config, h: Hparams):
+        super().__init__(config=config)
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            h.vocab_size, h.hidden_size, init_method=config.init_method, config=config)
+
+
+class DeepseekV4Model(MegatronModule):
+    """tokens [b, s], positions [b, s] → logits [b, s, V/tp] (this rank's vocabulary slice), the
+    contract of GPTModel's forward without labels."""
+
+    def __init__(self, config, h: Hparams, pre_process: bool = True, post_process: bool = True):
+        super().__init__(config=config)
+        if not (pre_process and post_process):
+            raise ValueError("deepseek_v4 does not support pipeline parallelism (actor.pp must be 1)")
+        self.h = h
+        self.embedding = Embedding(config, h)
+        self.decoder = Decoder(config, h)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            h.hidden_size, h.vocab_size, config=config, init_method=config.init_method, bias=False,
+            gather_output=False, skip_bias_add=True)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's schedules call this on every model; one stage means nothing comes in."""
+
+    def hidden_streams(self, input_ids: torch.Tensor, positions: torch.Tensor, upto: Optional[int] = None):
+        """Streams [b, s, hc, D] after ``upto`` decoder layers (all by default)."""
+        x = self.embedding.word_embeddings(input_ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.h.hc_mult, -1).contiguous()
+        full = self.config.recompute_granularity == "full" and self.training
+        for layer in self.decoder.layers[:upto]:
+            if full:
+                streams = tensor_parallel.checkpoint(layer, False, streams, input_ids, positions)
+            else:
+                streams = layer(streams, input_ids, positions)
+        return streams
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None,
+                **kwargs) -> torch.Tensor:
+        """attention_mask must be None: rows are right-padded and attention is causal."""
+        if attention_mask is not None:
+            raise ValueError("DeepseekV4Model takes no attention_mask (right-padded rows, causal attention)")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        streams = self.hidden_streams(input_ids, position_ids)
+        logits, _ = self.output_layer(self.decoder.final_layernorm(self.decoder.hc_head(streams)))
+        return logits
