@@ -23,6 +23,14 @@ _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
     head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
 )
+
+
+def _dsv4_tiny() -> dict:
+    from colocate_rl.models.deepseek_v4.synth import official_config
+
+    return official_config()
+
+
 SHAPES: dict[str, dict] = {
     "qwen3-tiny": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=False, **_COMMON),
     "qwen3-tiny-tied": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=True, **_COMMON),
@@ -49,6 +57,9 @@ SHAPES: dict[str, dict] = {
         model_type="qwen3_moe", vocab_size=320, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **_COMMON,
     ),
+    # Official key format (compress_ratios, num_hash_layers, ...), written under the official tensor
+    # names: a window-only, a C4 (indexer) and a C128 layer, two hash-routed layers, mHC with 4 streams.
+    "deepseek-v4-tiny": _dsv4_tiny(),
 }
 
 
@@ -113,6 +124,15 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
     tokenizer = build_tokenizer(out)
     if len(tokenizer) > spec["vocab_size"]:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than {shape}'s vocab_size")
+    gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if spec["model_type"] == "deepseek_v4":
+        # transformers would save its renamed config keys and tensor names; the released
+        # checkpoints (and vLLM's loader) use the official ones, so the folder is written directly.
+        from colocate_rl.models.deepseek_v4.synth import write_model
+
+        (out / "generation_config.json").write_text(json.dumps(gen))
+        spec.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        return write_model(out, spec, seed=seed, dtype=dtype)
     config = AutoConfig.for_model(
         spec.pop("model_type"), **spec, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, dtype=dtype,
@@ -120,7 +140,6 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(out))
-    gen = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
 

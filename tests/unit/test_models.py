@@ -134,7 +134,7 @@ def test_local_names_map_to_canonical_global_names():
         "decoder.layers.4.mlp.experts.local_experts.11.linear_fc2.weight"
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s]["model_type"].startswith("qwen3")))
 def test_specs_cover_each_hf_tensor_once(shape):
     hf = SHAPES[shape]
     specs = family_for(hf).params(hf)

@@ -365,6 +365,9 @@ class DeepseekV4Model(MegatronModule):
         super().__init__(config=config)
         if not (pre_process and post_process):
             raise ValueError("deepseek_v4 does not support pipeline parallelism (actor.pp must be 1)")
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         self.h = h
         self.embedding = Embedding(config, h)
         self.decoder = Decoder(config, h)
