@@ -49,6 +49,11 @@ class RolloutConfig:
     sync_bucket_mb: int = 256  # weight-sync bucket size (one IPC handle per bucket)
     verify_sync_every: int = 0  # steps; compare checksums of a few tensors, actor vs engine, after a sync
     num_engines: int = 1  # disaggregated mode: engines behind the router
+    # Disaggregated mode: generate step k+1 while step k trains (one step stale; the token IS
+    # correction, algorithm.is_clamp, weights the stale samples).
+    off_policy: bool = False
+    custom_fn: str = ""  # disaggregated mode: "pkg.module:function" producing a step's batch (rollout/buffer.py)
+    sync_timeout_s: float = 600.0  # disaggregated mode: a weight broadcast waiting longer than this fails
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is
     # vllm | transformers: sample with transformers' generate in the actor's process, for models
@@ -132,7 +137,7 @@ class PlacementConfig:
     actor_nodes: int = 0  # disaggregated only
     rollout_nodes: int = 0  # disaggregated only
     actor_gpus: int = 0  # disaggregated on one node: GPUs for the actor (rest go to rollout)
-    launcher: str = "auto"  # auto | ray | local (single process, world size 1 only)
+    launcher: str = "auto"  # colocated: auto | ray | local (single process, world size 1 only); disaggregated runs on Ray
     ray_address: str = ""  # "" = start a local Ray instance
 
 
@@ -344,6 +349,13 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                                                   or actor_world_size(cfg) != 1):
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
+    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn):
+        raise ConfigError("rollout.off_policy and rollout.custom_fn need placement.mode=disaggregated")
+    if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:
+        raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
+                          "weights the one-step-stale samples")
+    if cfg.rollout.sync_timeout_s <= 0:
+        raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
     if pl.mode == "disaggregated":
         if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
             raise ConfigError(

@@ -5,6 +5,14 @@ Colocated step (docs/architecture.md; the staged wake keeps the peak below the c
     reward    score → group-relative advantages
     actor     onload → re-score logprobs → train → offload grads + optimizer
     sync      wake vLLM weights → send the new weights over IPC → offload actor params → wake KV cache
+
+Disaggregated step (actor and engines on their own GPUs, placement/disaggregated.py):
+    rollout   take the step's batch from the rollout buffer (the router spread it over the engines)
+    reward    score → group-relative advantages
+    actor     re-score logprobs → train
+    sync      engines idle → broadcast the new weights to every engine
+With rollout.off_policy the next step's generation is requested before training instead of after
+the sync, so it runs on the previous weights while this step trains (one step stale).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from colocate_rl.session import Session, start_session
 
 def run(cfg: Config) -> dict:
     if cfg.placement.mode == "disaggregated":
-        raise NotImplementedError("placement.mode=disaggregated is not available yet")
+        return run_disaggregated(cfg)
     if cfg.checkpoint.every:
         raise NotImplementedError("checkpoint.every > 0: checkpointing is not available yet (set checkpoint.every=0)")
     return run_colocated(cfg)
@@ -116,3 +124,64 @@ def warm_start(s: Session) -> None:
         m = s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
     hand_back_to_rollout(s, t)
     tqdm.write(f"sft warm-start: {cfg.sft.steps} steps, final loss {float(m['loss']):.3f}, {sum(t.seconds.values()):.1f}s handoff")
+
+def run_disaggregated(cfg: Config) -> dict:
+    s = start_session(cfg)  # the actor pool, the engines behind the router, the rollout buffer
+    w = s.workers
+    try:
+        if cfg.sft.steps and s.step == 0:
+            for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
+                s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
+            s.sync_weights()
+        if cfg.eval.every and cfg.eval.at_start and s.step == 0:
+            s.log.log(0, s.evaluate())
+        w.buffer.request(s.sampler.next_batch(), w.version)
+        for step in tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
+                         total=cfg.steps):
+            metrics = disaggregated_step(s, cfg, last=step + 1 == cfg.steps)
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+                metrics.update(s.evaluate())
+            s.step = step + 1
+            s.log.log(s.step, metrics)
+            tqdm.write(console_line(s.step, cfg.steps, metrics))
+        return s.finish()
+    finally:
+        s.close()
+
+
+def disaggregated_step(s: Session, cfg: Config, last: bool = False) -> dict:
+    """One step; the batch was requested by the previous step (or before the first)."""
+    t, w = PhaseTimer(), s.workers
+    with t("generate"):  # off-policy: mostly produced while the previous step trained
+        got = w.buffer.get()
+    batch, staleness = got.batch, w.version - got.version
+    if cfg.rollout.off_policy and not last:
+        w.buffer.request(s.sampler.next_batch(), w.version)  # runs while this step trains
+    with t("reward"):
+        batch.rewards, reward_metrics = s.scorer.score(batch)
+        batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group,
+                                                               cfg.algorithm.adv_eps)
+    with t("logprobs"):
+        old_logprobs = s.actor.compute_logprobs(batch)
+    with t("train"):  # the token IS correction weights stale samples by actor / sampler probability
+        train_metrics = s.actor.train_step(batch, old_logprobs)
+    with t("wait_rollout"):
+        w.buffer.drain()  # a sync waits for the engines to finish generating
+    with t("sync"):
+        sync = s.sync_weights()
+    if not cfg.rollout.off_policy and not last:
+        w.buffer.request(s.sampler.next_batch(), w.version)
+    return {
+        "reward/mean": float(batch.rewards.mean()),
+        **reward_metrics,
+        "train_rollout_logprob_abs_diff": logprob_abs_diff(old_logprobs, batch.rollout_logprobs, batch.loss_mask),
+        **train_metrics,
+        "rollout/staleness": staleness,
+        **got.metrics,  # rollout/engine_restarts, rollout/reissued_prompts
+        "rollout/response_len": float(batch.response_lens.float().mean()),
+        "rollout/truncated": float(batch.truncated.float().mean()),
+        "sync/bytes": sync.bytes,
+        "sync/GBps": sync.bytes / max(sync.seconds, 1e-9) / 1e9,
+        **t.metrics(),
+        "time/step": sum(t.seconds.values()),
+    }

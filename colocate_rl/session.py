@@ -17,7 +17,7 @@ from colocate_rl.eval import summarize
 from colocate_rl.memory import Handoff
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
-from colocate_rl.placement import launch_colocated
+from colocate_rl.placement import launch
 from colocate_rl.rewards import RewardScorer
 from colocate_rl.types import RolloutBatch, Sample
 
@@ -31,7 +31,7 @@ class Session:
     train_samples: list[Sample]
     eval_sets: dict[str, list[Sample]]
     scorer: Any
-    workers: Any  # placement's LocalColocated or RayColocated: .actor, .rollout, .sync(), .shutdown()
+    workers: Any  # placement's LocalColocated, RayColocated or RayDisaggregated: .actor, .rollout, .sync(), .shutdown()
     handoff: Handoff
     log: MetricsLog
     step: int = 0
@@ -103,7 +103,7 @@ def start_session(cfg: C.Config) -> Session:
     train = load_prompts(cfg.data, tokenizer)
     eval_sets = {name: load_prompts(cfg.data, tokenizer, source=name, split="eval") for name in cfg.eval.sets}
     scorer = RewardScorer.from_config(cfg.reward)
-    workers = launch_colocated(cfg)
+    workers = launch(cfg)  # colocated or disaggregated, by placement.mode
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
     return Session(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer,

@@ -1,5 +1,7 @@
 """Who runs where. ``launch_colocated`` returns the actor and the rollout engine of a colocated run:
-in this process for a world of one (``local``), or as Ray actors sharing each GPU (``ray``)."""
+in this process for a world of one (``local``), or as Ray actors sharing each GPU (``ray``).
+``launch`` picks by placement.mode; a disaggregated run always runs on Ray (placement.launcher is
+a colocated choice), actor and engines on separate placement groups (``disaggregated``)."""
 
 from __future__ import annotations
 
@@ -19,3 +21,11 @@ def launch_colocated(cfg: Config):
     else:
         from colocate_rl.placement.ray_colocated import launch
     return launch(cfg)
+
+
+def launch(cfg: Config):
+    if cfg.placement.mode == "disaggregated":
+        from colocate_rl.placement.disaggregated import launch as launch_disaggregated
+
+        return launch_disaggregated(cfg)
+    return launch_colocated(cfg)

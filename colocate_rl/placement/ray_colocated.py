@@ -34,7 +34,9 @@ NOSET = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "RAY_EXPERIMENTAL_N
          "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1"}
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
+    """``num_cpus``: CPUs a local instance advertises, at least the machine's (CPU runs place one
+    bundle per process and may need more bundles than a small machine has cores)."""
     if ray.is_initialized():
         return
     _raise_nofile_limit()
@@ -46,6 +48,8 @@ def start_ray(cfg: Config) -> None:
     if cfg.placement.ray_address:
         ray.init(address=cfg.placement.ray_address, **kwargs)
     else:
+        if num_cpus:
+            kwargs["num_cpus"] = max(num_cpus, os.cpu_count() or 1)
         ray.init(_temp_dir=tmp, object_store_memory=256 * 2**20, **kwargs)
 
 

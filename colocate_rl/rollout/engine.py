@@ -272,6 +272,31 @@ class RolloutEngine:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def init_weight_broadcast(self, spec: dict[str, Any], first_rank: int) -> list[int]:
+        """Every worker joins the broadcast group (weight_sync.broadcast.GroupSpec as a dict) as rank
+        first_rank + its rank in this engine; blocks until the whole group has joined."""
+        return self._rpc("init_weight_broadcast", dict(spec), int(first_rank))
+
+    def receive_weights_broadcast(self) -> SyncStats:
+        """One sync from the broadcast group: every worker receives and loads every bucket."""
+        t0 = time.perf_counter()
+        self.begin_weight_sync()
+        try:
+            per_worker = self._rpc("update_weights_from_broadcast")
+        except BaseException:
+            self.abort_weight_sync()
+            raise
+        end_s = self.end_weight_sync()
+        return SyncStats(bytes=int(per_worker[0]["bytes"]), seconds=time.perf_counter() - t0,
+                         receiver_seconds=max(w["seconds"] for w in per_worker) + end_s)
+
+    def close_weight_broadcast(self) -> None:
+        self._rpc("close_weight_broadcast")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.device_uuids)
+
     def checksum(self, names: list[str]) -> dict[str, float]:
         """HF name -> weight_sync.verify.tensor_checksum inside the engine (first worker)."""
         return self._rpc("checksum", list(names))[0]

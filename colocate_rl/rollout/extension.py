@@ -1,4 +1,4 @@
-"""vLLM worker extension: receive weights by IPC handle, load them in place, report checksums.
+"""vLLM worker extension: receive weights (IPC handle or broadcast), load them in place, report checksums.
 
 vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls the methods
 through ``LLM.collective_rpc``, so they run in every worker process, next to the model. Method
@@ -8,7 +8,9 @@ names must not collide with the worker's own (vLLM 0.32 already has ``start_weig
 A sync is ``begin_weight_sync`` → ``update_weights_from_ipc`` per bucket → ``end_weight_sync``; an
 ``update_weights_from_ipc`` outside a begin/end pair is a sync of its own. Every bucket is checked
 (names and shapes against the checkpoint the engine started from) before any of it is loaded, so a
-bad message leaves the engine serving its old weights.
+bad message leaves the engine serving its old weights. The disaggregated mode receives the same
+buckets from a broadcast group instead (``init_weight_broadcast`` once, then
+``update_weights_from_broadcast`` per sync) and loads them through the same checks and loaders.
 
 Loading differs by platform:
 - GPU: ``model.load_weights`` copies each tensor (or its shard) into the live parameters; fused
@@ -79,6 +81,14 @@ class WeightReceiver:
 
         return current_platform.is_cpu()
 
+    def _crl_layerwise(self) -> bool:
+        """Reload layer by layer (restore checkpoint format, buffer, re-run the layer's
+        process_weights_after_loading) on CPU, where linears are repacked, and for quantized engines
+        (FP8): their post-load processing converts the checkpoint's e4m3fn weights and scales (to
+        e4m3fnuz on ROCm, to the GEMM backend's layout); copying bytes into the processed
+        parameters would leave that state wrong."""
+        return self._crl_cpu() or getattr(self.vllm_config, "quant_config", None) is not None
+
     def _crl_model(self) -> torch.nn.Module:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
@@ -101,7 +111,7 @@ class WeightReceiver:
         st = self._crl_state()
         if st["active"]:
             raise RuntimeError("begin_weight_sync: a weight sync is already in progress (end or abort it first)")
-        if self._crl_cpu():
+        if self._crl_layerwise():
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             with set_current_vllm_config(self.vllm_config):
@@ -113,21 +123,48 @@ class WeightReceiver:
         t0 = time.perf_counter()
         st = self._crl_state()
         with st["receiver"].open(message) as named:
-            self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
-            named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
-            oneshot = not st["active"]
-            if oneshot:
-                self.begin_weight_sync()
-            try:
-                self._crl_load(named)
-            except BaseException:
-                self.abort_weight_sync()
-                raise
-            n, nbytes = len(named), sum(t.numel() * t.element_size() for _, t in named)
+            n, nbytes = self._crl_take(named, st)
             del named
+        return {"tensors": n, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def init_weight_broadcast(self, spec: dict[str, Any], first_rank: int) -> int:
+        """Joins the weight-broadcast group (weight_sync.broadcast) as rank ``first_rank`` + this
+        worker's rank in its engine; returns that rank. Blocks until every member has joined."""
+        from colocate_rl.weight_sync.broadcast import BroadcastGroup, GroupSpec
+
+        self.close_weight_broadcast()
+        rank = first_rank + self.rank
+        self.__dict__["_crl_bcast"] = BroadcastGroup(GroupSpec(**spec), rank, self.device)
+        return rank
+
+    def update_weights_from_broadcast(self) -> dict[str, float]:
+        """Receives one sync (every bucket up to the sender's end marker) from the broadcast group
+        and loads it through the same checks and loaders as IPC buckets."""
+        group = self.__dict__.get("_crl_bcast")
+        if group is None:
+            raise WeightSyncError("weight sync: no broadcast group on this worker (init_weight_broadcast first)")
+        st = self._crl_state()
+        counts = {"tensors": 0}
+        oneshot = not st["active"]
+        if oneshot:
+            self.begin_weight_sync()
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            counts["tensors"] += self._crl_take(named, st)[0]
+
+        try:
+            stats = group.receive(load)
+        except BaseException:
+            self.abort_weight_sync()
+            raise
         if oneshot:
             self.end_weight_sync()
-        return {"tensors": n, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+        return {"tensors": counts["tensors"], "bytes": stats.bytes, "seconds": stats.seconds}
+
+    def close_weight_broadcast(self) -> None:
+        group = self.__dict__.pop("_crl_bcast", None)
+        if group is not None:
+            group.close()
 
     def end_weight_sync(self) -> float:
         """Finishes the sync; returns the seconds it took here (CPU: deferred layer processing)."""
@@ -137,12 +174,13 @@ class WeightReceiver:
         st = self._crl_state()
         if not st["active"]:
             raise RuntimeError("end_weight_sync without begin_weight_sync")
-        if self._crl_cpu():
+        if self._crl_layerwise():
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
-                self._crl_fix_cpu_after_reload()
+                if self._crl_cpu():
+                    self._crl_fix_cpu_after_reload()
         st["active"] = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -156,7 +194,7 @@ class WeightReceiver:
         st = self._crl_state()
         if not st["active"]:
             return
-        if self._crl_cpu():
+        if self._crl_layerwise():
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -166,7 +204,8 @@ class WeightReceiver:
                     info.load_numel = 0
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
-                self._crl_fix_cpu_after_reload()
+                if self._crl_cpu():
+                    self._crl_fix_cpu_after_reload()
         st["active"] = False
 
     def checksum(self, names: list[str]) -> dict[str, float]:
@@ -203,6 +242,23 @@ class WeightReceiver:
                 raise WeightSyncError(
                     f"weight sync: tensor '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}"
                 )
+
+    def _crl_take(self, named: list[tuple[str, torch.Tensor]], st: dict[str, Any]) -> tuple[int, int]:
+        """Checks then loads one bucket, whatever carried it (IPC handle or broadcast); a bucket
+        outside begin/end is a sync of its own. Returns (tensors, bytes)."""
+        self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
+        named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
+        oneshot = not st["active"]
+        if oneshot:
+            self.begin_weight_sync()
+        try:
+            self._crl_load(named)
+        except BaseException:
+            self.abort_weight_sync()
+            raise
+        if oneshot:
+            self.end_weight_sync()
+        return len(named), sum(t.numel() * t.element_size() for _, t in named)
 
     def _crl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config

@@ -1,0 +1,100 @@
+"""The disaggregated mode on CPU through Ray: one actor process and two vLLM engines in their own
+Ray actors, on two placement groups, weights broadcast over gloo. One session is shared by the
+tests of this module (Ray and three engine-importing processes start once)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from colocate_rl import loop
+from colocate_rl.session import start_session
+from colocate_rl.weight_sync.verify import VERIFIABLE
+
+from test_loop import tiny_cfg  # noqa: E402 - same folder
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # Ray start and three processes importing vLLM / megatron-core: ~60 s for the module
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, tiny_model, even_length_reward):
+    cfg = tiny_cfg(tmp_path_factory.mktemp("disagg"), tiny_model, **{
+        "placement.mode": "disaggregated", "rollout.num_engines": "2", "actor.lr": "1e-3",
+        "reward.name": "test_even_length", "rollout.verify_sync_every": "1", "rollout.sync_bucket_mb": "1",
+        "rollout.max_model_len": "160"})
+    s = start_session(cfg)
+    yield s
+    s.close()
+    ray.shutdown()
+
+
+def run_steps(s, k: int, off_policy: bool = False):
+    """Yields the metrics of k steps run as run_disaggregated runs them: the first batch requested
+    up front, none left over at the end."""
+    s.cfg.rollout.off_policy = off_policy
+    w = s.workers
+    w.buffer.request(s.sampler.next_batch(), w.version)
+    for i in range(k):
+        yield loop.disaggregated_step(s, s.cfg, last=i == k - 1)
+
+
+def actor_checksums(s) -> dict[str, float]:
+    return ray.get(s.workers.actor.submit("checksums"))[0]
+
+
+def test_every_engine_holds_the_actors_weights_after_each_sync(session):
+    s, w = session, session.workers
+    assert len(w.hosts) == 2 and w.fp8 == []  # a bf16/fp32 engine: nothing quantized on the way
+    before = actor_checksums(s)
+    for m in run_steps(s, 2):
+        assert m["rollout/staleness"] == 0 and m["rollout/engine_restarts"] == 0
+        assert m["train_rollout_logprob_abs_diff"] <= 1e-4  # on-policy: sampler and trainer hold the same weights
+        assert m["grad_norm"] > 0 and m["sync/bytes"] > 0
+        actor = actor_checksums(s)
+        assert len(actor) >= 3 and all(n.endswith(VERIFIABLE) for n in actor)
+        for e, engine in enumerate(w.engine_checksums(list(actor))):
+            for name, value in actor.items():
+                assert engine[name] == pytest.approx(value, rel=1e-12, abs=1e-9), (e, name)
+        assert actor != before, "the step changed the weights"
+        before = actor
+
+
+def test_router_keeps_each_prompt_group_on_one_engine(session):
+    s = session
+    samples = s.train_samples[:10]
+    pending = s.workers.rollout.submit(samples, n=3)
+    batch = pending.result()
+    assert set(pending.engine_of.values()) == {0, 1}, "the load was spread over both engines"
+    assert batch.size == 30 and batch.group_ids.tolist() == [i // 3 for i in range(30)]
+    for i, sample in enumerate(samples):  # rows in prompt order, each group whole
+        assert all(batch.samples[3 * i + k] is sample or batch.samples[3 * i + k].prompt_ids == sample.prompt_ids
+                   for k in range(3))
+
+
+def test_one_step_off_policy_reports_staleness_and_corrects(session):
+    s = session
+    ms = list(run_steps(s, 3, off_policy=True))
+    assert [m["rollout/staleness"] for m in ms] == [0, 1, 1]
+    # Samples of the previous weights: the sampler's logprobs differ from the trainer's, and the
+    # token IS weights are in play (they are 1 when the two agree).
+    assert ms[1]["train_rollout_logprob_abs_diff"] > 1e-4
+    assert "is_clamped_frac" in ms[1]
+    s.workers.verify()  # engines equal the actor after the last sync
+
+
+def test_engine_killed_mid_generation_is_restarted_resynced_and_its_prompts_reissued(session):
+    s, w = session, session.workers
+    samples = s.train_samples[:16]
+    pending = w.rollout.submit(samples, n=4, max_tokens=120)
+    time.sleep(0.3)
+    assert not pending.done(), "generation still running when the engine is killed"
+    w.kill_engine(0)
+    batch = pending.result()
+    assert pending.metrics["rollout/engine_restarts"] == 1 and pending.metrics["rollout/reissued_prompts"] > 0
+    assert batch.size == 64 and [s_.prompt_ids for s_ in batch.samples[::4]] == [x.prompt_ids for x in samples]
+    assert w.verify() >= 3, "the new engine got the actor's weights"
+    m = next(iter(list(run_steps(s, 1))))  # the broadcast group is formed again with the new engine
+    assert m["rollout/engine_restarts"] == 0
+    w.verify()
