@@ -121,7 +121,10 @@ def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     with HFCheckpoint(folder) as ckpt:
         sd = {n: ckpt.read(n) for n in ckpt.names() if not (n.endswith(".scale") and n[:-5] + "weight" in ckpt)}
     model = DeepseekV4ForCausalLM(config).to(dtype)
-    tsd = {k: (v if not v.is_floating_point() else v.to(dtype)) for k, v in
-           transformers_state_dict(sd, config.n_routed_experts).items()}
-    model.load_state_dict(tsd, strict=True)
+    # What from_pretrained does: mHC, sinks, position biases, the routing bias and the norms stay fp32.
+    keep = DeepseekV4ForCausalLM._keep_in_fp32_modules_strict
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.is_floating_point() and any(k in name.split(".") or name.split(".")[-1] == k for k in keep):
+            p.data = p.data.float()
+    model.load_state_dict(transformers_state_dict(sd, config.n_routed_experts), strict=True)
     return model.eval()

@@ -1,0 +1,176 @@
+"""Train/rollout logprob gap of a small DeepSeek-V4: vLLM (which has DeepSeek-V4 on GPU) samples
+with logprobs, the Megatron actor re-scores the same tokens, both in bf16 on one GPU.
+
+    python benchmarks/dsv4_parity_gpu.py OUT.json [--weights auto|bf16|fp8] [--kv-cache-dtype auto]
+
+Self-contained: writes a random-weight DeepSeek-V4 in the official format into a temp folder. Its
+attention keeps the released per-head sizes (head_dim 512, rope 64, index_head_dim 128, 64 heads,
+128-token windows, index_topk 512), which vLLM's kernels require; it is small elsewhere (hidden
+1024, 4 layers: window, C4 + indexer, C128, C4; 2 hash-routed layers; 16 experts, top 4).
+Prompts are 300-700 tokens so the C4 and C128 branches both have entries.
+
+--weights bf16 writes plain bf16 tensors; fp8 writes the released layout (FP8 e4m3 128x128 blocks
+with ue8m0 scales, MXFP4 routed experts), which vLLM computes with FP8 kernels and the actor loads
+dequantised; auto tries bf16 and falls back to fp8 when vLLM refuses it. vLLM runs in a child
+process (its GPU memory is freed before the actor builds). Also reported: transformers' bf16
+forward against both, to tell which side moves.
+
+Output JSON: train_rollout_logprob_abs_diff {mean, p50, p99, max} over response tokens, the same
+for transformers, token counts, versions, GPU name, the model config and the settings used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(
+    vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=512, o_lora_rank=512, o_groups=8, sliding_window=128,
+    compress_ratios=[0, 4, 128, 4], index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=16,
+    num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=512, num_hash_layers=2, swiglu_limit=10.0,
+    hc_mult=4, hc_sinkhorn_iters=20, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    eos_token_id=1, bos_token_id=0,
+)
+N_PROMPTS, N_SAMPLES, MAX_TOKENS = 8, 4, 128
+
+
+def write_model(folder: Path, weights: str) -> dict:
+    from colocate_rl.models.deepseek_v4 import synth
+
+    hf = synth.official_config(**SHAPE)
+    synth.write_model(folder, hf, seed=0, dtype="bfloat16", quantized=weights == "fp8")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    return hf
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(300, 700, (N_PROMPTS,), generator=g)
+    return [torch.randint(2, SHAPE["vocab_size"], (int(n),), generator=g).tolist() for n in lens]
+
+
+def vllm_stage(folder: str, out: str, kv_cache_dtype: str) -> None:
+    """Child process: sample N_SAMPLES responses per prompt with their logprobs."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024,
+              gpu_memory_utilization=0.5, enforce_eager=True, logprobs_mode="processed_logprobs",
+              kv_cache_dtype=kv_cache_dtype, seed=0)
+    params = SamplingParams(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True,
+                            detokenize=False, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    rows = []
+    for o in outs:
+        for c in sorted(o.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            rows.append({"prompt": list(o.prompt_token_ids), "response": ids,
+                         "logprobs": [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]})
+    Path(out).write_text(json.dumps(rows))
+
+
+def run_vllm(folder: Path, kv_cache_dtype: str) -> tuple[list[dict] | None, str]:
+    out = folder / "vllm_rows.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    r = subprocess.run([sys.executable, __file__, "--vllm-stage", str(folder), str(out), kv_cache_dtype], env=env,
+                       capture_output=True, text=True)
+    if r.returncode != 0 or not out.is_file():
+        tail = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return None, tail[0]
+    return json.loads(out.read_text()), ""
+
+
+def stats(d: torch.Tensor) -> dict:
+    d = d.double()
+    return {"mean": float(d.mean()), "p50": float(d.quantile(0.5)), "p99": float(d.quantile(0.99)),
+            "max": float(d.max())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("--weights", choices=["auto", "bf16", "fp8"], default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM kv_cache_dtype (DeepSeek-V4 may force fp8)")
+    ap.add_argument("--keep", help="keep the model folder here instead of a temp folder")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: benchmarks/dsv4_parity_gpu.py needs a GPU (vLLM's DeepSeek-V4 is GPU-only here)")
+
+    from colocate_rl.config import Config, ModelConfig
+    from colocate_rl.types import RolloutBatch, Sample
+
+    root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="dsv4_parity_"))
+    tried, rows, hf, used = [], None, None, None
+    for weights in (["bf16", "fp8"] if a.weights == "auto" else [a.weights]):
+        folder = root / weights
+        hf = write_model(folder, weights)
+        t0 = time.perf_counter()
+        rows, err = run_vllm(folder, a.kv_cache_dtype)
+        tried.append({"weights": weights, "error": err, "seconds": time.perf_counter() - t0})
+        if rows is not None:
+            used = weights
+            break
+    if rows is None:
+        Path(a.out).write_text(json.dumps({"error": "vLLM could not run the model", "tried": tried}, indent=1))
+        raise SystemExit(f"error: vLLM could not run the tiny DeepSeek-V4: {tried[-1]['error']}")
+
+    cfg = Config(model=ModelConfig(path=str(root / used), dtype="bfloat16"))
+    cfg.actor.micro_batch_size = 4
+    cfg.rollout.temperature = 1.0
+    samples = [Sample(r["prompt"]) for r in rows]
+    batch = RolloutBatch.from_rows([r["prompt"] for r in rows], [r["response"] for r in rows], samples, 0,
+                                   response_logprobs=[r["logprobs"] for r in rows],
+                                   finish_reasons=["length"] * len(rows), n=N_SAMPLES)
+    from colocate_rl.trainer import Actor
+
+    actor = Actor(cfg)
+    t0 = time.perf_counter()
+    train = actor.compute_logprobs(batch)
+    score_s = time.perf_counter() - t0
+    mask = batch.loss_mask
+    gap = (train - batch.rollout_logprobs).abs()[mask]
+
+    from colocate_rl.models.deepseek_v4.synth import transformers_model
+
+    ref = transformers_model(root / used, torch.bfloat16).cuda()
+    ref_lp = torch.zeros_like(train)
+    with torch.no_grad():
+        for i in range(batch.size):
+            n = int(batch.attention_mask[i].sum())
+            ids = batch.tokens[i: i + 1, :n].cuda()
+            lp = torch.log_softmax(ref(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+            ref_lp[i, 1:n] = lp.cpu()
+    import vllm
+
+    result = {
+        "train_rollout_logprob_abs_diff": stats(gap),
+        "transformers_vs_megatron_abs_diff": stats((ref_lp - train).abs()[mask]),
+        "transformers_vs_vllm_abs_diff": stats((ref_lp - batch.rollout_logprobs).abs()[mask]),
+        "response_tokens": int(mask.sum()), "rows": batch.size,
+        "weights": used, "kv_cache_dtype": a.kv_cache_dtype, "tried": tried,
+        "megatron_rescore_seconds": score_s,
+        "gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+        "model": hf, "temperature": 1.0, "max_tokens": MAX_TOKENS,
+    }
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("train_rollout_logprob_abs_diff", "weights", "response_tokens")}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-stage":
+        vllm_stage(*sys.argv[2:5])
+    else:
+        main()
