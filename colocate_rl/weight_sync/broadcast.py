@@ -29,6 +29,9 @@ from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
 
 
+POLL_S = 0.0005  # host-side polling of a collective: well below a bucket's transfer time
+
+
 class BroadcastTimeout(WeightSyncError):
     """A broadcast that did not complete in time; the message names the group, rank and bucket."""
 
@@ -63,10 +66,11 @@ class BroadcastGroup:
         prefixed = dist.PrefixStore(f"colocate_rl/{spec.name}", store)
         try:
             if spec.backend == "gloo":
+                # gloo raises at its timeout (also while forming the group): the same limit as _wait's.
                 self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
             elif spec.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
+                opts._timeout = timedelta(seconds=2 * spec.timeout_s + 60)  # the watchdog's: _wait fires first
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
             else:
                 raise ValueError(f"weight broadcast group '{spec.name}': backend {spec.backend!r} is not gloo or nccl")
@@ -82,12 +86,21 @@ class BroadcastGroup:
         return self.pg.broadcast([t], opts)
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        """Waits for ``work`` on the host, at most spec.timeout_s. Polled rather than left to the
+        backend: NCCL's own timeout is enforced by its watchdog, which tears the process down
+        (TORCH_NCCL_ASYNC_ERROR_HANDLING) instead of raising here, so NCCL's timeout is set longer
+        and this one fires first."""
+        deadline = time.monotonic() + self.spec.timeout_s
         try:
-            work.wait(timedelta(seconds=self.spec.timeout_s))
-        except RuntimeError as e:  # gloo: "Timed out waiting ...", nccl: watchdog / wait timeout
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise BroadcastTimeout(f"{self._who()}: {what} did not complete within {self.spec.timeout_s:g} s "
+                                           "(a peer died or stopped taking part)")
+                time.sleep(POLL_S)
+            work.wait()
+        except RuntimeError as e:  # the backend gave up first (a peer's connection closed, ...)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BroadcastTimeout(f"{self._who()}: {what} did not complete within {self.spec.timeout_s:g} s "
-                                   f"(a peer died or stopped participating): {first}") from e
+            raise BroadcastTimeout(f"{self._who()}: {what} failed: {first}") from e
 
     def _sizes(self, header: int, payload: int, what: str) -> tuple[int, int]:
         t = torch.tensor([header, payload], dtype=torch.int64, device=self.device)
