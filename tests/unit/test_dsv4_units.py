@@ -180,6 +180,22 @@ def test_official_names_cover_transformers_state_dict():
     assert set(converted) == set(model.state_dict())
     for k, v in converted.items():
         assert tuple(v.shape) == tuple(model.state_dict()[k].shape), k
-    assert transformers_name("layers.2.attn.indexer.compressor.ape") == "model.layers.2.self_attn.compressor.indexer.position_bias"
-    assert transformers_name("layers.3.attn.compressor.norm.weight") == "model.layers.3.self_attn.compressor.kv_norm.weight"
+    assert transformers_name("layers.2.attn.indexer.compressor.ape") == \
+        "model.layers.2.self_attn.compressor.indexer.position_bias"
+    assert transformers_name("layers.3.attn.compressor.norm.weight") == \
+        "model.layers.3.self_attn.compressor.kv_norm.weight"
     assert transformers_name("layers.0.ffn.gate.bias") == "model.layers.0.mlp.gate.e_score_correction_bias"
+
+
+@pytest.mark.parametrize("tp,pp,ep,match", [
+    (1, 2, 1, "actor.pp=2: deepseek_v4 runs without pipeline parallelism"),
+    (2, 1, 1, "actor.tp=2: deepseek_v4 trains here at actor.tp=1"),
+    (1, 1, 3, "actor.ep=3 does not divide the model's n_routed_experts=4"),
+])
+def test_bad_parallel_layouts_are_named(tp, pp, ep, match):
+    from colocate_rl.models.registry import family_for
+
+    hf = synth.official_config()
+    with pytest.raises(ValueError, match=match):
+        family_for(hf).check_parallel(hf, tp, pp, ep)
+    family_for(hf).check_parallel(hf, 1, 1, 2)

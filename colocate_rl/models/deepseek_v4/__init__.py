@@ -17,6 +17,10 @@ def check_parallel(hf: dict, tp: int, pp: int, ep: int) -> None:
     if pp != 1:
         raise ValueError(f"actor.pp={pp}: deepseek_v4 runs without pipeline parallelism here (its hc_mult residual "
                          "streams do not fit Megatron's pipeline send/receive shapes); use actor.pp=1")
+    if tp != 1:
+        raise ValueError(f"actor.tp={tp}: deepseek_v4 trains here at actor.tp=1 (Megatron's MoE layer trains with "
+                         "tensor parallelism only under sequence parallelism, which the actor does not enable yet); "
+                         "spread the experts with actor.ep instead")
     for field, value in (("num_attention_heads", h.num_heads), ("o_groups", h.o_groups), ("vocab_size", h.vocab_size),
                          ("moe_intermediate_size", h.moe_intermediate_size)):
         if value % tp:
