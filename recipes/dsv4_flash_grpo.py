@@ -28,7 +28,8 @@ _PUBLISHED = [
 ]
 NEEDS = {
     "amd-3node": _PUBLISHED,
-    # 284B parameters with fp32 master weights and Adam state do not fit 8 GPUs without offloading them.
+    # 284B parameters with fp32 gradients, master weights and Adam state (~16 bytes each) do not fit
+    # 8 GPUs: the optimizer state has to live on the host.
     "colocated": [("Adam state offloaded to CPU", "actor.optimizer_cpu_offload", True),
                   ("BF16 Adam moments", "actor.optimizer_state_dtype", "bfloat16")],
 }
@@ -50,10 +51,12 @@ def missing(preset: str) -> list[str]:
         from colocate_rl.models.deepseek_v4 import check_parallel
         from colocate_rl.models.deepseek_v4.synth import official_config
 
-        try:
-            check_parallel(official_config(num_attention_heads=4), 1, 4, 1)
-        except ValueError:
-            gaps.append("pipeline parallelism for deepseek_v4 (actor.pp=4)")
+        for tp, pp, what in ((1, 4, "pipeline parallelism for deepseek_v4 (actor.pp=4)"),
+                             (4, 1, "tensor parallelism for deepseek_v4 (actor.tp=4)")):
+            try:
+                check_parallel(official_config(num_attention_heads=4), tp, pp, 1)
+            except ValueError:
+                gaps.append(what)
         import importlib.util
 
         if importlib.util.find_spec("colocate_rl.placement.disaggregated") is None:
