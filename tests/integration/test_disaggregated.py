@@ -8,7 +8,10 @@ import time
 
 import pytest
 
+import json
+
 from colocate_rl import loop
+from colocate_rl.rollout.buffer import load_rollout_fn
 from colocate_rl.session import start_session
 from colocate_rl.weight_sync.verify import VERIFIABLE
 
@@ -16,6 +19,23 @@ from test_loop import tiny_cfg  # noqa: E402 - same folder
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray start and three processes importing vLLM / megatron-core: ~60 s for the module
+
+
+def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, even_length_reward):
+    """loop.run on the tiny recipe with placement.mode=disaggregated (plus shortening and the
+    off-policy switch). First in the module: it owns its Ray instance, then the shared one starts."""
+    cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.mode": "disaggregated", "rollout.off_policy": "true",
+                                            "reward.name": "test_even_length", "steps": "3", "sft.steps": "2",
+                                            "eval.every": "3", "eval.sets": "[arithmetic]"})
+    try:
+        out = loop.run(cfg)
+    finally:
+        ray.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/staleness" in r]
+    assert out["steps"] == 3 and [r["rollout/staleness"] for r in steps] == [0, 1, 1]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    assert all(r["rollout/engine_restarts"] == 0 for r in steps)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +102,23 @@ def test_one_step_off_policy_reports_staleness_and_corrects(session):
     assert ms[1]["train_rollout_logprob_abs_diff"] > 1e-4
     assert "is_clamped_frac" in ms[1]
     s.workers.verify()  # engines equal the actor after the last sync
+
+
+def test_custom_rollout_function_produces_the_batch(session):
+    s, w = session, session.workers
+    w.buffer.rollout_fn = load_rollout_fn("rollout_fns:hinted_two_passes")
+    try:
+        w.buffer.request(s.train_samples[:6], w.version)
+        got = w.buffer.get()
+    finally:
+        w.buffer.rollout_fn = None
+    b = got.batch
+    assert b.size == 6 * s.cfg.rollout.n and got.version == w.version
+    assert (b.tokens[:, 0] == 7).all(), "every prompt got the injected token"
+    assert b.response_lens[: 3 * s.cfg.rollout.n].max() <= s.cfg.rollout.max_response_tokens
+    assert b.group_ids.tolist() == [i // s.cfg.rollout.n for i in range(b.size)]
+    with pytest.raises(ValueError, match=r"rollout.custom_fn='rollout_fns:nope': module 'rollout_fns' has no 'nope'"):
+        load_rollout_fn("rollout_fns:nope")
 
 
 def test_engine_killed_mid_generation_is_restarted_resynced_and_its_prompts_reissued(session):
