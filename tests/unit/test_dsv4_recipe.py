@@ -41,7 +41,8 @@ def test_presets_hold_the_published_values():
     assert (cfg.actor.tp, cfg.actor.pp, cfg.actor.ep, cfg.actor.lr) == (4, 4, 4, 1e-6)
     assert (cfg.rollout.n, cfg.data.prompts_per_step, cfg.rollout.max_response_tokens) == (8, 32, 4096)
     assert cfg.rollout.max_model_len == 16384 and cfg.rollout.gpu_memory_utilization == 0.9
-    assert cfg.rollout.engine_kwargs == {"max_num_batched_tokens": 8192, "max_num_seqs": 48, "kv_cache_dtype": "fp8_e4m3"}
+    assert cfg.rollout.engine_kwargs == {"max_num_batched_tokens": 8192, "max_num_seqs": 48,
+                                         "kv_cache_dtype": "fp8_e4m3"}
     assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high, cfg.algorithm.kl_coef, cfg.algorithm.is_clamp) == \
         (0.2, 0.28, 0.0, 2.0)
     assert (cfg.checkpoint.every, cfg.checkpoint.keep, cfg.eval.every, cfg.eval.n_samples) == (25, 2, 5, 8)

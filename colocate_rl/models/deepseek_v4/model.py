@@ -257,7 +257,8 @@ class Attention(MegatronModule):
         sinks = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
         logits = torch.cat([logits.float(), sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)  # the sink takes mass, adds nothing
+        # the sink column takes probability mass and adds nothing to the output
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
         out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, H/tp, d]
         # K = V carries RoPE on its trailing channels: rotate the output back by the query position.
         out = apply_rope(out, cos, -sin)

@@ -79,7 +79,8 @@ def quantize_released(sd: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.
     keep = ("embed.", "head.", "norm", "compressor.", "indexer.weights_proj", "ffn.gate.")
     out = {}
     for name, t in sd.items():
-        if ".experts." in name and name.endswith(".weight") and ".shared_experts." not in name and t.shape[-1] % 32 == 0:
+        routed = ".experts." in name and ".shared_experts." not in name
+        if routed and name.endswith(".weight") and t.shape[-1] % 32 == 0:
             out[name], out[name[: -len("weight")] + "scale"] = quant_mxfp4(t)
         elif name.endswith(".weight") and t.dim() == 2 and not any(k in name for k in keep):
             out[name], out[name[: -len("weight")] + "scale"] = quant_fp8_block(t)

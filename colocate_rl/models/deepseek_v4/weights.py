@@ -57,7 +57,8 @@ def params(hf: dict) -> list[ParamSpec]:
             out += _compressor(one, a + "compressor.", pa + "compressor.", ratio, width, hd, d)
         if ratio == 4:
             iw = 2 * h.index_head_dim
-            out += _compressor(one, a + "indexer.compressor.", pa + "indexer.compressor.", ratio, iw, h.index_head_dim, d)
+            out += _compressor(one, a + "indexer.compressor.", pa + "indexer.compressor.", ratio, iw,
+                               h.index_head_dim, d)
             out += [
                 one(a + "indexer.linear_q_up.weight", pa + "indexer.wq_b.weight",
                     (h.index_n_heads * h.index_head_dim, h.q_lora_rank)),
@@ -124,7 +125,8 @@ _TO_TRANSFORMERS = [
     (r"^layers\.(\d+)\.hc_ffn_(fn|base|scale)$", r"model.layers.\1.ffn_hc.\2"),
     (r"^layers\.(\d+)\.attn\.indexer\.compressor\.", r"model.layers.\1.self_attn.compressor.indexer."),
     (r"^layers\.(\d+)\.attn\.indexer\.wq_b\.", r"model.layers.\1.self_attn.compressor.indexer.q_b_proj."),
-    (r"^layers\.(\d+)\.attn\.indexer\.weights_proj\.", r"model.layers.\1.self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"^layers\.(\d+)\.attn\.indexer\.weights_proj\.",
+     r"model.layers.\1.self_attn.compressor.indexer.scorer.weights_proj."),
     (r"^layers\.(\d+)\.attn\.attn_sink$", r"model.layers.\1.self_attn.sinks"),
     (r"^layers\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
     (r"^layers\.(\d+)\.ffn\.gate\.bias$", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
