@@ -126,6 +126,8 @@ def warm_start(s: Session) -> None:
     tqdm.write(f"sft warm-start: {cfg.sft.steps} steps, final loss {float(m['loss']):.3f}, {sum(t.seconds.values()):.1f}s handoff")
 
 def run_disaggregated(cfg: Config) -> dict:
+    if cfg.checkpoint.every:
+        raise NotImplementedError("checkpoint.every > 0 is not available with placement.mode=disaggregated yet")
     s = start_session(cfg)  # the actor pool, the engines behind the router, the rollout buffer
     w = s.workers
     try:

@@ -238,10 +238,10 @@ class RayDisaggregated:
         ray.get(refs)
         self.members = list(engines)
 
-    def _broadcast(self, engines: list[int]) -> SyncStats:
+    def _broadcast(self, engines: list[int], bucket_mb: float | None = None) -> SyncStats:
         if self.members != engines:
             self._form_group(engines)
-        bucket_mb = self.cfg.rollout.sync_bucket_mb
+        bucket_mb = bucket_mb or self.cfg.rollout.sync_bucket_mb
         with self.actor.lock:
             sends = [r.broadcast_weights.remote(bucket_mb, self.fp8) for r in self.actor.ranks]
         recvs = [self.hosts[e].call.remote("receive_weights_broadcast") for e in engines]
@@ -251,9 +251,7 @@ class RayDisaggregated:
 
     def sync(self, bucket_mb: float | None = None) -> SyncStats:
         """The actor's weights → every engine (one broadcast); the weights version goes up by one."""
-        if bucket_mb is not None:
-            self.cfg.rollout.sync_bucket_mb = bucket_mb
-        stats = self._broadcast(list(range(len(self.hosts))))
+        stats = self._broadcast(list(range(len(self.hosts))), bucket_mb)
         self.version += 1
         return stats
 
