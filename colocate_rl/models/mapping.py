@@ -193,8 +193,9 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
 
     Collective: every rank of the job must iterate to the end (each tensor is gathered over tensor
     parallelism, broadcast from its expert-parallel owner and from its pipeline stage). Tensors are
-    on this rank's device in the parameters' dtype (or ``dtype``); a yielded tensor may share
-    storage with a parameter, so consumers copy it before the next optimizer step.
+    on this rank's device in the parameters' dtype (or ``dtype``, for those at the model's dtype);
+    a yielded tensor may share storage with a parameter, so consumers copy it before the next
+    optimizer step.
     """
     from megatron.core import parallel_state as ps
 
@@ -249,4 +250,6 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
             for s in shards:
                 dist.broadcast(s, group_src=stage, group=ps.get_pipeline_model_parallel_group())
         for name, t in unshard(spec, shards):
-            yield name, (t if dtype is None or t.dtype == dtype else t.to(dtype))
+            # Only parameters at the model's dtype convert: those a family keeps in fp32 inside a
+            # bf16 model (DeepSeek-V4's mHC mixing, sinks, position biases) travel as they are.
+            yield name, (t if dtype is None or t.dtype == dtype or t.dtype != pdtype else t.to(dtype))
