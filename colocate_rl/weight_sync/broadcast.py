@@ -76,6 +76,12 @@ class BroadcastGroup:
                 raise ValueError(f"weight broadcast group '{spec.name}': backend {spec.backend!r} is not gloo or nccl")
         except RuntimeError as e:
             raise BroadcastTimeout(f"{self._who()}: could not form the group ({str(e).splitlines()[0]})") from e
+        if spec.backend == "nccl":
+            # NCCL creates its communicator inside the first collective call, blocking the host
+            # until every member arrives; do it now, while every member is forming the group, so a
+            # later hang is an enqueued broadcast that _wait can time out.
+            self._wait(self._start(torch.zeros(1, device=self.device)),
+                       "the first broadcast (forming NCCL's communicator)")
 
     def _who(self) -> str:
         return f"weight broadcast group '{self.spec.name}' rank {self.rank} of {self.spec.world_size}"
