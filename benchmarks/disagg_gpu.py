@@ -97,13 +97,14 @@ def main() -> None:
             f"rollout.gpu_memory_utilization={args.gpu_mem}", f"rollout.sync_bucket_mb={args.bucket_mb}",
             "actor.lr=1e-6", "actor.micro_batch_size=8", "actor.offload=false",
             "placement.mode=disaggregated", "placement.gpus_per_node=2", "placement.actor_gpus=1",
-            "rollout.num_engines=1", "rollout.verify_sync_every=1", "logging.wandb_mode=disabled",
+            "rollout.num_engines=1", "rollout.verify_sync_every=0", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=disagg"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)
     try:
         on = run_steps(s, cfg, args.steps, off_policy=False)
         off = run_steps(s, cfg, args.steps, off_policy=True)
+        verified = s.workers.verify()  # after the timed syncs: the engine holds the actor's weights
     finally:
         s.close()
         import ray
@@ -123,6 +124,7 @@ def main() -> None:
         "settings": vars(args),
         "layout": "actor (Megatron, 1 rank) on GPU 0, vLLM engine (TP1) on GPU 1, NCCL broadcast",
         "sync_bytes": sync_bytes,
+        "verified_tensors_after_last_sync": verified,
         "sync_wall_s": sync_wall_s,
         "sync_GBps": sync_GBps,
         "sync_sender_GBps": mean(on + off, "sync/GBps"),  # bytes / the sender's export + pack + broadcast time
