@@ -52,19 +52,23 @@ def layer_outputs(ref, ids) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 # swiglu_limit 0.5 makes the clamp bind on most activations; scoring_func softmax covers the
 # other score path; the second config has no hash layers and no shared-expert multiple.
+# query_chunk: queries per attention block (1024 = one block here; 48 = six, windows crossing blocks).
 CONFIGS = {
-    "flash-like": dict(swiglu_limit=0.5),
-    "c128-first": dict(compress_ratios=[128, 0, 4, 4], num_hash_layers=1, o_groups=4, hc_mult=2,
-                       hc_sinkhorn_iters=5, index_topk=64, routed_scaling_factor=2.5),
+    "flash-like": (dict(swiglu_limit=0.5), 48),
+    "c128-first": (dict(compress_ratios=[128, 0, 4, 4], num_hash_layers=1, o_groups=4, hc_mult=2,
+                        hc_sinkhorn_iters=5, index_topk=64, routed_scaling_factor=2.5), 1024),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_layer_by_layer_logit_parity(world, tmp_path, name):
-    hf = synth.official_config(**CONFIGS[name])
+    overrides, chunk = CONFIGS[name]
+    hf = synth.official_config(**overrides)
     synth.write_model(tmp_path, hf, seed=1)
     ref = synth.transformers_model(tmp_path)
     model = megatron_model(hf, tmp_path)
+    for layer in model.decoder.layers:
+        layer.self_attention.query_chunk = chunk
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, hf["vocab_size"], (2, SEQ), generator=g)
     pos = torch.arange(SEQ).expand(2, SEQ)

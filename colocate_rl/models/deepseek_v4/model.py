@@ -37,6 +37,10 @@ from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_wei
                                                  unweighted_rms_norm)
 
 
+# Queries per attention / indexer block: bounds the score tensors at long context.
+QUERY_CHUNK = 1024
+
+
 def _device(config):
     return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
@@ -162,22 +166,28 @@ class Indexer(MegatronModule):
         self.linear_q_up = ReplicatedLinear(config, h.q_lora_rank, h.index_n_heads * h.index_head_dim)
         self.linear_weights = ReplicatedLinear(config, h.hidden_size, h.index_n_heads)
 
-    def forward(self, x, q_residual, positions, cos_sin_of) -> torch.Tensor:
+    def forward(self, x, q_residual, positions, cos_sin_of, chunk: int) -> torch.Tensor:
+        """Picks [b, s, min(index_topk, n)] (−1: none); queries scored ``chunk`` at a time, so the
+        [b, chunk, heads, n] score block bounds the memory."""
         h = self.h
         b, s, _ = x.shape
-        keys = self.compressor(x, cos_sin_of)  # [b, n, c]
-        n = keys.shape[1]
+        keys = self.compressor(x, cos_sin_of).float().transpose(-1, -2).unsqueeze(1)  # [b, 1, c, n]
+        n = keys.shape[-1]
         q = self.linear_q_up(q_residual).view(b, s, h.index_n_heads, h.index_head_dim)
         cos, sin = cos_sin_of(positions, x.dtype)
         q = apply_rope(q, cos, sin)
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # [b, s, heads, n]
-        scores = F.relu(scores) * h.index_head_dim ** -0.5
-        weights = self.linear_weights(x).float() * h.index_n_heads ** -0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, n]
+        weights = self.linear_weights(x).float() * h.index_n_heads ** -0.5  # [b, s, heads]
         limit = (positions + 1) // self.ratio  # entries w < limit are complete before t
-        future = torch.arange(n, device=x.device).view(1, 1, -1) >= limit.unsqueeze(-1)
-        top = scores.masked_fill(future, float("-inf")).topk(min(h.index_topk, n), dim=-1).indices
-        return torch.where(top >= limit.unsqueeze(-1), torch.full_like(top, -1), top)
+        entry = torch.arange(n, device=x.device).view(1, 1, -1)
+        picks = []
+        for q0 in range(0, s, chunk):
+            sl = slice(q0, q0 + chunk)
+            scores = F.relu(torch.matmul(q[:, sl].float(), keys)) * h.index_head_dim ** -0.5  # [b, c, heads, n]
+            scores = (scores * weights[:, sl].unsqueeze(-1)).sum(dim=2)  # [b, c, n]
+            lim = limit[:, sl].unsqueeze(-1)
+            top = scores.masked_fill(entry >= lim, float("-inf")).topk(min(h.index_topk, n), dim=-1).indices
+            picks.append(torch.where(top >= lim, torch.full_like(top, -1), top))
+        return torch.cat(picks, dim=1)
 
 
 class Attention(MegatronModule):
@@ -210,31 +220,26 @@ class Attention(MegatronModule):
         self.register_buffer("compress_inv_freq", rope_inv_freq(h, compress=True), persistent=False)
         self.compressor = Compressor(config, h, self.ratio, h.head_dim, overlap=self.ratio == 4) if self.ratio else None
         self.indexer = Indexer(config, h, self.ratio) if self.ratio == 4 else None
+        self.query_chunk = QUERY_CHUNK
 
     def _compress_cos_sin(self, positions, dtype):
         return rope_cos_sin(self.compress_inv_freq, positions, dtype)
 
-    def _mask(self, x, positions, q_residual) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(compressed entries [b, n, d] or None, additive mask [b, 1, s, s + n])."""
-        b, s, _ = x.shape
-        i = torch.arange(s, device=x.device)
-        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.h.sliding_window)
-        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
-        mask = mask.expand(b, 1, s, s)
+    def _entries(self, x, positions, q_residual):
+        """(compressed entries [b, n, d], their additive mask [b, s, n]) or (None, None)."""
         if self.compressor is None:
-            return None, mask
+            return None, None
+        b, s, _ = x.shape
         entries = self.compressor(x, self._compress_cos_sin)
         n = entries.shape[1]
         if self.indexer is None:  # C128: every entry whose window closed before the query
             limit = (positions + 1) // self.ratio
             hidden = torch.arange(n, device=x.device).view(1, 1, -1) >= limit.unsqueeze(-1)
-            block = torch.zeros(b, s, n, dtype=x.dtype, device=x.device).masked_fill(hidden, float("-inf"))
-        else:  # C4: only the indexer's picks
-            picks = self.indexer(x, q_residual, positions, self._compress_cos_sin)
-            safe = torch.where(picks >= 0, picks, torch.full_like(picks, n))
-            block = torch.full((b, s, n + 1), float("-inf"), dtype=x.dtype, device=x.device)
-            block = block.scatter(-1, safe, 0.0)[..., :n]
-        return entries, torch.cat([mask, block.unsqueeze(1)], dim=-1)
+            return entries, torch.zeros(b, s, n, dtype=x.dtype, device=x.device).masked_fill(hidden, float("-inf"))
+        picks = self.indexer(x, q_residual, positions, self._compress_cos_sin, self.query_chunk)  # C4: its picks
+        safe = torch.where(picks >= 0, picks, torch.full_like(picks, n))
+        block = torch.full((b, s, n + 1), float("-inf"), dtype=x.dtype, device=x.device)
+        return entries, block.scatter(-1, safe, 0.0)[..., :n]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.h
@@ -243,23 +248,38 @@ class Attention(MegatronModule):
         q_residual = self.q_layernorm(self.linear_q_down(x))
         q, _ = self.linear_q_up(q_residual)
         q = unweighted_rms_norm(q.view(b, s, self.heads, h.head_dim), h.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_layernorm(self.linear_kv(x)).view(b, s, 1, h.head_dim), cos, sin)
-        entries, mask = self._mask(x, positions, q_residual)
-        kv = kv.squeeze(2)
-        if entries is not None:
-            kv = torch.cat([kv, entries], dim=1)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [b, H/tp, s, d]
+        kv = apply_rope(self.kv_layernorm(self.linear_kv(x)).view(b, s, 1, h.head_dim), cos, sin).squeeze(2)
+        entries, block = self._entries(x, positions, q_residual)
         # Every head reads the one shared K=V head: with heads split over tensor parallelism its
         # gradient is a sum over all ranks' heads (identity forward, all-reduce backward).
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
-        logits = torch.matmul(q.transpose(1, 2), kv.transpose(1, 2).unsqueeze(1)) * h.head_dim ** -0.5 + mask
-        # The sink logit is fp32 (the released model keeps it so): with it the softmax runs in fp32.
-        sinks = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
-        logits = torch.cat([logits.float(), sinks], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        # the sink column takes probability mass and adds nothing to the output
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-        out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, H/tp, d]
+        if entries is not None:
+            entries = tensor_parallel.copy_to_tensor_model_parallel_region(entries)
+        # Queries in chunks: a chunk reads only its window's keys (W - 1 before it) and the
+        # compressed entries, so memory grows as s·(W + chunk + n), not s².
+        sinks = self.sinks.float().view(1, -1, 1, 1)
+        idx = torch.arange(s, device=x.device)
+        outs = []
+        for q0 in range(0, s, self.query_chunk):
+            q1 = min(q0 + self.query_chunk, s)
+            k0 = max(0, q0 - h.sliding_window + 1)
+            keys = kv[:, k0:q1]
+            qi, kj = idx[q0:q1, None], idx[None, k0:q1]
+            allowed = (kj <= qi) & (kj > qi - h.sliding_window)
+            mask = torch.zeros(q1 - q0, q1 - k0, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+            mask = mask.expand(b, 1, -1, -1)
+            if entries is not None:
+                keys = torch.cat([keys, entries], dim=1)
+                mask = torch.cat([mask, block[:, None, q0:q1]], dim=-1)
+            logits = torch.matmul(q[:, :, q0:q1], keys.transpose(1, 2).unsqueeze(1)) * h.head_dim ** -0.5 + mask
+            # The sink logit is fp32 (the released model keeps it so): with it the softmax runs in
+            # fp32; its column takes probability mass and adds nothing to the output.
+            logits = torch.cat([logits.float(), sinks.expand(b, -1, q1 - q0, 1)], dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
+            outs.append(torch.matmul(probs, keys.unsqueeze(1)))
+        out = torch.cat(outs, dim=2).transpose(1, 2)  # [b, s, H/tp, d]
         # K = V carries RoPE on its trailing channels: rotate the output back by the query position.
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(b, s, self.groups, -1)
