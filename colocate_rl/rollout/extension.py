@@ -112,7 +112,14 @@ class WeightReceiver:
         if st["active"]:
             raise RuntimeError("begin_weight_sync: a weight sync is already in progress (end or abort it first)")
         if self._crl_layerwise():
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            try:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            except ImportError as e:
+                import vllm
+
+                raise WeightSyncError(f"weight sync into a quantized (FP8) engine needs vLLM's layerwise reload "
+                                      f"(vllm.model_executor.model_loader.reload), missing in vLLM {vllm.__version__}"
+                                      ) from e
 
             with set_current_vllm_config(self.vllm_config):
                 initialize_layerwise_reload(self._crl_model())
