@@ -60,9 +60,9 @@ def run_steps(s, cfg, steps: int, off_policy: bool) -> list[dict]:
         m = loop.disaggregated_step(s, cfg, last=i == steps)
         m["wall_s"] = time.perf_counter() - t0
         s.step += 1
+        phases = " ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time/"))
         print(f"{'off' if off_policy else 'on'}-policy step {i}: wall {m['wall_s']:.2f}s staleness "
-              f"{m['rollout/staleness']} " + " ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time/")),
-              flush=True)
+              f"{m['rollout/staleness']} {phases}", flush=True)
         if i:
             rows.append(m)
     return rows

@@ -249,8 +249,19 @@ class RayDisaggregated:
         ray.get(recvs)
         return stats
 
+    def _revive_dead(self) -> None:
+        """Engines that died while idle (between generations) are replaced before a broadcast
+        that would otherwise wait for them until it times out."""
+        for i, h in enumerate(self.hosts):
+            try:
+                ray.get(h.pid.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                self.restart(i)
+                self.rollout.note_restart()
+
     def sync(self, bucket_mb: float | None = None) -> SyncStats:
         """The actor's weights → every engine (one broadcast); the weights version goes up by one."""
+        self._revive_dead()
         stats = self._broadcast(list(range(len(self.hosts))), bucket_mb)
         self.version += 1
         return stats

@@ -163,6 +163,11 @@ class Router:
                 self.counts[k] = self.counts.get(k, 0) + v
         return batch
 
+    def note_restart(self) -> None:
+        """An engine restarted outside a generate call (found dead while idle)."""
+        with self._lock:
+            self.counts["rollout/engine_restarts"] = self.counts.get("rollout/engine_restarts", 0) + 1
+
     def take_counts(self) -> dict[str, float]:
         """Restarts and re-issued prompts since the last call (summed over generate calls)."""
         with self._lock:

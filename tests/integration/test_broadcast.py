@@ -39,7 +39,8 @@ def _in_thread(fn):
 def test_round_trip_many_buckets_and_fp8():
     g = torch.Generator().manual_seed(0)
     named = [(f"layers.{i}.w", torch.randn(64, 256, generator=g)) for i in range(6)]
-    named += [("norm", torch.randn(64, generator=g).to(torch.bfloat16)), ("proj.weight", torch.randn(256, 128, generator=g))]
+    named += [("norm", torch.randn(64, generator=g).to(torch.bfloat16)),
+              ("proj.weight", torch.randn(256, 128, generator=g))]
     expected = dict(quantize_named(iter(named), {"proj.weight"}))
     spec = _spec("roundtrip")
     received: dict[str, torch.Tensor] = {}

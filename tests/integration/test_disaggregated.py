@@ -135,3 +135,12 @@ def test_engine_killed_mid_generation_is_restarted_resynced_and_its_prompts_reis
     m = next(iter(list(run_steps(s, 1))))  # the broadcast group is formed again with the new engine
     assert m["rollout/engine_restarts"] == 0
     w.verify()
+
+
+def test_engine_killed_while_idle_is_replaced_before_the_sync(session):
+    s, w = session, session.workers
+    w.rollout.take_counts()
+    w.kill_engine(1)  # between generations: the sync finds it, not the router
+    stats = w.sync()
+    assert stats.bytes > 0 and w.rollout.take_counts()["rollout/engine_restarts"] == 1
+    assert w.verify() >= 3
