@@ -54,6 +54,10 @@ class RolloutConfig:
     off_policy: bool = False
     custom_fn: str = ""  # disaggregated mode: "pkg.module:function" producing a step's batch (rollout/buffer.py)
     sync_timeout_s: float = 600.0  # disaggregated mode: a weight broadcast waiting longer than this fails
+    # Disaggregated mode: "fp8" = the rollout runs FP8 weights. A block-FP8 checkpoint (DeepSeek
+    # format) gets per-block quantized weights on every sync; a bf16 one is quantized by vLLM
+    # (quantization="fp8") and re-quantized by its post-load processing after every sync.
+    weight_quantization: str = ""
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is
     # vllm | transformers: sample with transformers' generate in the actor's process, for models
@@ -137,7 +141,7 @@ class PlacementConfig:
     actor_nodes: int = 0  # disaggregated only
     rollout_nodes: int = 0  # disaggregated only
     actor_gpus: int = 0  # disaggregated on one node: GPUs for the actor (rest go to rollout)
-    launcher: str = "auto"  # colocated: auto | ray | local (single process, world size 1 only); disaggregated runs on Ray
+    launcher: str = "auto"  # colocated: auto | ray | local (world size 1 only); disaggregated runs on Ray
     ray_address: str = ""  # "" = start a local Ray instance
 
 
@@ -274,6 +278,7 @@ CHOICES = {
     "placement.launcher": ("auto", "ray", "local"),
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
     "rollout.sleep_level": (1, 2),
+    "rollout.weight_quantization": ("", "fp8"),
     "rollout.backend": ("vllm", "transformers"),
 }
 
@@ -349,8 +354,11 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                                                   or actor_world_size(cfg) != 1):
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
-    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn):
-        raise ConfigError("rollout.off_policy and rollout.custom_fn need placement.mode=disaggregated")
+    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn or cfg.rollout.weight_quantization):
+        raise ConfigError("rollout.off_policy, rollout.custom_fn and rollout.weight_quantization need "
+                          "placement.mode=disaggregated")
+    if cfg.rollout.weight_quantization == "fp8" and pl.gpus_per_node == 0:
+        raise ConfigError("rollout.weight_quantization=fp8 needs GPUs: vLLM's CPU backend runs no FP8 weights")
     if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:
         raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
                           "weights the one-step-stale samples")

@@ -53,6 +53,12 @@ def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
+def _checkpoint_quantized(model_path: str) -> bool:
+    """The checkpoint's config.json declares a quantization (e.g. DeepSeek's block FP8)."""
+    p = Path(model_path) / "config.json"
+    return p.is_file() and "quantization_config" in json.loads(p.read_text())
+
+
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     try:
         from transformers import AutoTokenizer
@@ -113,6 +119,8 @@ class RolloutEngine:
         # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
         # returns the raw model's logprobs.
         kwargs["logprobs_mode"] = "processed_logprobs"
+        if r.weight_quantization == "fp8" and not _checkpoint_quantized(self.model_path):
+            kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
         kwargs.update(r.engine_kwargs)
         kwargs.update(engine_kwargs)
         self.supports_sleep = bool(kwargs.get("enable_sleep_mode", False)) and not self.on_cpu
