@@ -49,10 +49,13 @@ def reference_logprobs(path, batch: RolloutBatch) -> torch.Tensor:
     from colocate_rl.models.deepseek_v4.synth import transformers_model
 
     model = transformers_model(path)
-    with torch.no_grad():  # right padding: causal attention keeps it away from real tokens
-        logits = model(batch.tokens).logits
-    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
-    return torch.nn.functional.pad(lp, (1, 0)) * batch.attention_mask
+    out = torch.zeros(batch.tokens.shape)
+    with torch.no_grad():  # row by row, unpadded: transformers' indexer ties depend on the padding
+        for i in range(batch.size):
+            n = int(batch.attention_mask[i].sum())
+            ids = batch.tokens[i: i + 1, :n]
+            out[i, 1:n] = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return out
 
 
 def test_logprobs_match_transformers_and_export_uses_official_names(tiny_model):

@@ -84,6 +84,21 @@ def test_layer_by_layer_logit_parity(world, tmp_path, name):
     assert ref_logits.std() > 0.1  # not a degenerate model where everything agrees trivially
 
 
+def test_padding_does_not_change_a_row(world, tmp_path):
+    """A row scores the same alone and right-padded in a longer micro-batch, even with 2 indexer
+    heads, where exact-zero index scores tie often: ties go to the lowest entry (transformers'
+    topk breaks them by the tensor's length, so its padded and unpadded rows differ)."""
+    hf = synth.official_config(index_n_heads=2)
+    synth.write_model(tmp_path, hf, seed=0)
+    model = megatron_model(hf, tmp_path)
+    ids = torch.randint(3, hf["vocab_size"], (1, 90), generator=torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(ids, (0, 50))
+    with torch.no_grad():
+        alone = model(ids, torch.arange(90)[None])
+        inside = model(padded, torch.arange(140)[None])[:, :90]
+    assert (alone - inside).abs().max() <= 1e-5
+
+
 def test_compressed_branches_change_the_output(world, tmp_path):
     """The parity above is not vacuous: with the compressed entries and indexer picks of late
     positions removed (a 127-token prefix has no C128 entry) the last-token logits change."""

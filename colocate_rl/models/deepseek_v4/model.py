@@ -185,7 +185,11 @@ class Indexer(MegatronModule):
             scores = F.relu(torch.matmul(q[:, sl].float(), keys)) * h.index_head_dim ** -0.5  # [b, c, heads, n]
             scores = (scores * weights[:, sl].unsqueeze(-1)).sum(dim=2)  # [b, c, n]
             lim = limit[:, sl].unsqueeze(-1)
-            top = scores.masked_fill(entry >= lim, float("-inf")).topk(min(h.index_topk, n), dim=-1).indices
+            # A stable sort, not topk: equal scores (ReLU makes exact zeros common) go to the lowest
+            # entry index. topk breaks such ties by the tensor's length, so a row's picks (and its
+            # logprobs) would change with the padding of its micro-batch.
+            scores = scores.masked_fill(entry >= lim, float("-inf"))
+            top = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(h.index_topk, n)]
             picks.append(torch.where(top >= lim, torch.full_like(top, -1), top))
         return torch.cat(picks, dim=1)
 

@@ -14,11 +14,13 @@ from colocate_rl.models.deepseek_v4.weights import params
 
 # Every layer kind: window only (0), C4 with the indexer (4), C128 (128); the first two layers
 # hash-routed; small windows so a 260-token row reaches two C128 entries and the window matters.
+# 16 indexer heads: an index score is exactly 0 only when every head's ReLU is, so entries rarely
+# tie (ties are broken differently by transformers' topk and by our stable sort, see model.py).
 TINY = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=320, hidden_size=64,
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=16,
     q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=16, compress_ratios=[0, 4, 128, 0],
-    index_n_heads=2, index_head_dim=16, index_topk=8, n_routed_experts=4, num_experts_per_tok=2,
+    index_n_heads=16, index_head_dim=16, index_topk=8, n_routed_experts=4, num_experts_per_tok=2,
     n_shared_experts=1, moe_intermediate_size=32, num_hash_layers=2, scoring_func="sqrtsoftplus",
     topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4,
     hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000, compress_rope_theta=160000,
