@@ -191,7 +191,8 @@ def measure(folder: Path, rows: list[dict], hf: dict, no_sync: bool, dev: torch.
             ids = batch.tokens[i: i + 1, :n].to(dev)
             lp = torch.log_softmax(ref(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
             ref_lp[i, 1:n] = lp.cpu()
-    after_sync = {"skipped": "FP8 rollout weights need quantise-on-sync, which colocate_rl does not have yet"}
+    after_sync = {"skipped": "runs with bf16 weights only (an FP8 engine takes synced weights through "
+                             "rollout.weight_quantization, a disaggregated-mode path)"}
     if not quantized and not no_sync:
         try:
             after_sync = sync_stage(cfg, actor, batch)
