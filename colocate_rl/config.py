@@ -59,6 +59,10 @@ class RolloutConfig:
     # (quantization="fp8") and re-quantized by its post-load processing after every sync.
     weight_quantization: str = ""
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
+    # Seed every request from (seed, step): a resumed run samples exactly what the uninterrupted one
+    # did. vLLM then samples seeded rows one by one (slightly slower on large batches).
+    seed_each_step: bool = True
+    max_engine_restarts: int = 2  # per step: a dead engine is rebuilt, re-synced, its prompts re-issued
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is
     # vllm | transformers: sample with transformers' generate in the actor's process, for models
     # vLLM cannot run on this machine (the tiny DeepSeek-V4 on CPU; see rollout/hf_generate.py).
@@ -85,6 +89,7 @@ class ActorConfig:
     distributed_optimizer: bool = False
     offload: bool = True  # colocated: move params/grads/optimizer to host while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
+    max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
 
 
 @dataclass
@@ -115,7 +120,8 @@ class ArithmeticConfig:
 class DataConfig:
     train: str = ""  # hub id, local .parquet/.jsonl/.json, or "arithmetic"
     split: str = "train"
-    format: str = "auto"  # auto | verl (prompt as messages + reward_model.ground_truth) | slime (prompt + label)
+    # auto | verl (prompt as messages + reward_model.ground_truth) | slime (prompt + label) | math (problem + answer)
+    format: str = "auto"
     prompt_key: str = ""  # "" = the format's default
     label_key: str = ""
     apply_chat_template: bool = True
@@ -148,15 +154,20 @@ class PlacementConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "" = <run_dir>/checkpoints
-    every: int = 0  # steps; 0 = only at the end
-    keep: int = 2
-    resume: str = "auto"  # auto | never | a checkpoint folder
+    every: int = 0  # steps; 0 = only at the end (at_end)
+    keep: int = 2  # the last K checkpoints are kept
+    at_end: bool = True  # also after the last step
+    on_interrupt: bool = True  # Ctrl-C: finish the step, write a checkpoint, stop
+    # auto: continue from the newest intact checkpoint of this run folder (set logging.run_name to
+    # re-enter it) | never | a checkpoint folder, or a run / checkpoints folder (its newest)
+    resume: str = "auto"
 
 
 @dataclass
 class EvalConfig:
     every: int = 0  # steps; 0 = never
     sets: list[str] = field(default_factory=list)  # same forms as data.train
+    split: str = "train"  # of hub-id sets (AIME-2024 on the hub has only "train"); arithmetic: held-out
     n_samples: int = 1
     temperature: float = 0.0
     max_response_tokens: int = 0  # 0 = rollout.max_response_tokens
@@ -256,6 +267,11 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def from_dict(d: dict) -> Config:
+    """A Config from ``to_dict``'s output (e.g. a checkpoint's), without re-validating it."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config()), d))  # type: ignore[return-value]
+
+
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
@@ -272,7 +288,7 @@ CHOICES = {
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
-    "data.format": ("auto", "verl", "slime"),
+    "data.format": ("auto", "verl", "slime", "math"),
     "data.on_bad_row": ("error", "skip"),
     "placement.mode": ("colocated", "disaggregated"),
     "placement.launcher": ("auto", "ray", "local"),
@@ -350,10 +366,6 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
             raise ConfigError(
                 f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} exceeds the {actor_gpus} GPUs"
             )
-    if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
-                                                  or actor_world_size(cfg) != 1):
-        raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
-                          "placement.mode=colocated with a world of one (placement.launcher local or auto)")
     if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn or cfg.rollout.weight_quantization):
         raise ConfigError("rollout.off_policy, rollout.custom_fn and rollout.weight_quantization need "
                           "placement.mode=disaggregated")
@@ -364,6 +376,10 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                           "weights the one-step-stale samples")
     if cfg.rollout.sync_timeout_s <= 0:
         raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
+    if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
+                                                  or actor_world_size(cfg) != 1):
+        raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
+                          "placement.mode=colocated with a world of one (placement.launcher local or auto)")
     if pl.mode == "disaggregated":
         if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
             raise ConfigError(

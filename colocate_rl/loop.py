@@ -17,39 +17,52 @@ the sync, so it runs on the previous weights while this step trains (one step st
 
 from __future__ import annotations
 
+import signal
+import threading
+from typing import Any, Callable
+
 from tqdm import tqdm
 
+from colocate_rl import config as C
 from colocate_rl.algorithms import ADVANTAGES, logprob_abs_diff
 from colocate_rl.config import Config
-from colocate_rl.memory import Phase
+from colocate_rl.memory import Handoff, Phase
 from colocate_rl.metrics import PhaseTimer, console_line
+from colocate_rl.rollout import EngineDied
 from colocate_rl.session import Session, start_session
+from colocate_rl.types import RolloutBatch
 
 
 def run(cfg: Config) -> dict:
     if cfg.placement.mode == "disaggregated":
         return run_disaggregated(cfg)
-    if cfg.checkpoint.every:
-        raise NotImplementedError("checkpoint.every > 0: checkpointing is not available yet (set checkpoint.every=0)")
     return run_colocated(cfg)
 
 
 def run_colocated(cfg: Config) -> dict:
     s = start_session(cfg)  # run folder, data, reward, actor, rollout engine, handoff, metrics log
     try:
-        if cfg.sft.steps and s.step == 0:
-            warm_start(s)
-        if cfg.eval.every and cfg.eval.at_start and s.step == 0:
-            s.log.log(0, s.evaluate())
-        bar = tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
-                   total=cfg.steps)
-        for step in bar:
-            metrics = colocated_step(s, cfg)
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                metrics.update(s.evaluate())
-            s.log.log(step + 1, metrics)
-            tqdm.write(console_line(step + 1, cfg.steps, metrics))
-            s.step = step + 1
+        with StopOnInterrupt() as interrupt:
+            resume(s)
+            if cfg.sft.steps and s.step == 0:
+                warm_start(s)
+            if cfg.eval.every and cfg.eval.at_start and s.step == 0:
+                s.log.log(0, s.evaluate())
+            bar = tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
+                       total=cfg.steps)
+            for step in bar:
+                metrics = colocated_step(s, cfg)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+                    metrics.update(s.evaluate())
+                s.step = step + 1
+                s.log.log(s.step, metrics)
+                tqdm.write(console_line(s.step, cfg.steps, metrics))
+                s.check_update(metrics)  # stops after actor.max_nonfinite_in_row skipped updates
+                if s.checkpoint_due() or (interrupt.requested and cfg.checkpoint.on_interrupt):
+                    with_actor(s, s.save_checkpoint)
+                if interrupt.requested:
+                    tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+                    break
         return s.finish()
     finally:
         s.close()
@@ -58,7 +71,7 @@ def run_colocated(cfg: Config) -> dict:
 def colocated_step(s: Session, cfg: Config) -> dict:
     t = PhaseTimer()
     with t("generate"):
-        batch = s.rollout.generate(s.sampler.next_batch())
+        batch, restarts = generate(s, s.sampler.next_batch())
     with t("sleep"):
         s.rollout.sleep(cfg.rollout.sleep_level)
         s.handoff.to(Phase.IDLE)
@@ -82,6 +95,7 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         **train_metrics,
         "rollout/response_len": float(batch.response_lens.float().mean()),
         "rollout/truncated": float(batch.truncated.float().mean()),
+        "rollout/engine_restarts": restarts,
         "rollout/tokens_per_s": gen_tokens / max(t.seconds["generate"], 1e-9),
         "sync/bytes": sync.bytes,
         "sync/GBps": sync.bytes / max(sync.seconds, 1e-9) / 1e9,
@@ -91,6 +105,69 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         **t.metrics(),
         "time/step": sum(t.seconds.values()),
     }
+
+
+def generate(s: Session, prompts: list) -> tuple[RolloutBatch, int]:
+    """The step's rollout; an engine that dies is rebuilt, given the actor's weights, and the same
+    prompts are issued again (same seed: the samples are those the dead engine would have drawn).
+    Returns (batch, restarts)."""
+    for restarts in range(s.cfg.rollout.max_engine_restarts + 1):
+        try:
+            return s.rollout.generate(prompts, seed=s.step_seed()), restarts
+        except EngineDied as e:
+            if restarts == s.cfg.rollout.max_engine_restarts:
+                raise
+            tqdm.write(f"step {s.step + 1}: {e}; restarting the engine and re-issuing {len(prompts)} prompts")
+            s.workers.restart_rollout()
+            s.handoff = Handoff(s.handoff.plan, measure=s.handoff.measure)  # the new engine is awake
+            with_actor(s, lambda: None)  # its weights are the model folder's: sync the actor's
+    raise AssertionError("unreachable")
+
+
+def with_actor(s: Session, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn`` with the actor onloaded and vLLM asleep, then hands the device back (which
+    syncs the actor's weights into vLLM). For work between steps: checkpoints, resume, restarts."""
+    t = PhaseTimer()
+    s.rollout.sleep(s.cfg.rollout.sleep_level)
+    s.handoff.to(Phase.IDLE)
+    s.actor.onload()
+    s.handoff.to(Phase.ACTOR)
+    out = fn()
+    hand_back_to_rollout(s, t)
+    return out
+
+
+def resume(s: Session) -> None:
+    """Restore the newest intact checkpoint (if any) → push its weights to vLLM → continue."""
+    ckpt = s.cfg.checkpoint
+    if not s.checkpoints.candidates(ckpt.resume):
+        return
+    loaded = with_actor(s, lambda: s.checkpoints.load(ckpt.resume, C.to_dict(s.cfg), s.actor.load_checkpoint))
+    if loaded is not None:
+        s.restore(loaded)
+
+
+class StopOnInterrupt:
+    """While active, the first Ctrl-C (SIGINT) asks the loop to stop after the current step (and
+    checkpoint, with checkpoint.on_interrupt); a second one interrupts at once. Main thread only."""
+
+    def __init__(self):
+        self.requested, self._previous = False, None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("Ctrl-C: stopping after this step (press again to stop now)")
+
+    def __enter__(self) -> "StopOnInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def hand_back_to_rollout(s: Session, t: PhaseTimer):
@@ -115,15 +192,16 @@ def hand_back_to_rollout(s: Session, t: PhaseTimer):
 
 def warm_start(s: Session) -> None:
     """A short supervised pass on the training labels, then a sync so vLLM samples from it."""
-    cfg, t = s.cfg, PhaseTimer()
-    s.rollout.sleep(cfg.rollout.sleep_level)
-    s.handoff.to(Phase.IDLE)
-    s.actor.onload()
-    s.handoff.to(Phase.ACTOR)
-    for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
-        m = s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
-    hand_back_to_rollout(s, t)
-    tqdm.write(f"sft warm-start: {cfg.sft.steps} steps, final loss {float(m['loss']):.3f}, {sum(t.seconds.values()):.1f}s handoff")
+    cfg = s.cfg
+
+    def sft() -> dict:
+        for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
+            m = s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
+        return m
+
+    m = with_actor(s, sft)
+    tqdm.write(f"sft warm-start: {cfg.sft.steps} steps, final loss {float(m['loss']):.3f}")
+
 
 def run_disaggregated(cfg: Config) -> dict:
     if cfg.checkpoint.every:

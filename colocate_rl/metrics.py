@@ -52,6 +52,17 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log(row, step=step)
 
+    def truncate(self, step: int) -> int:
+        """Drops the rows after ``step`` (a resumed run redoes them); returns how many were dropped."""
+        self._file.close()
+        rows = read(self.path) if self.path.exists() else []
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.replace(self.path)
+        self._file = self.path.open("a")
+        return len(rows) - len(keep)
+
     def close(self) -> None:
         self._file.close()
         if self._wandb is not None:
@@ -65,7 +76,14 @@ def _num(v):
 
 
 def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics file; a last line cut short by a crash is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    try:
+        rows += [json.loads(lines[-1])] if lines else []
+    except json.JSONDecodeError:
+        pass
+    return rows
 
 
 def console_line(step: int, total: int, m: dict) -> str:
@@ -83,7 +101,8 @@ def console_line(step: int, total: int, m: dict) -> str:
 
 
 def plot(metrics_path: Path, out_png: Path) -> Path | None:
-    """curves.png: reward and held-out accuracy by step (left), seconds per phase stacked (right)."""
+    """curves.png: train reward and held-out accuracy / pass@k by step (left), seconds per phase
+    stacked (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,9 +114,12 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     ax1.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="reward (train)")
-    ev = [r for r in rows if "eval/accuracy" in r]
-    if ev:
-        ax1.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="accuracy (held-out)")
+    # Every eval set's accuracy (= pass@1) and its pass@k for k > 1 when k samples were drawn.
+    curves = sorted({k for r in rows for k in r
+                     if k.startswith("eval") and (k.endswith("/accuracy") or ("/pass@" in k and not k.endswith("@1")))})
+    for key in curves:
+        ev = [r for r in rows if key in r]
+        ax1.plot([r["step"] for r in ev], [r[key] for r in ev], "o-", label=f"{key} (held-out)")
     ax1.set_xlabel("step")
     ax1.set_ylim(-0.02, 1.02)
     ax1.legend()

@@ -65,6 +65,8 @@ _MEGATRON_MODULES = (
     "megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.experts", "megatron.core.tensor_parallel",
+    "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 

@@ -1,10 +1,11 @@
 """Prompt datasets: a hub id, a local .parquet/.jsonl/.json file, or the synthetic arithmetic task,
 read with HF ``datasets`` and turned into token ids (colocate_rl.types.Sample).
 
-Two row schemas are understood, detected per file from its columns when ``format=auto``:
+Three row schemas are understood, detected per file from its columns when ``format=auto``:
 
     verl:   {"prompt": [{"role": "user", "content": "..."}, ...], "reward_model": {"ground_truth": "..."}}
     slime:  {"prompt": "...", "label": "..."}
+    math:   {"problem": "...", "answer": "..."}      (AIME-2024, MATH-500 and most math eval sets)
 
 ``prompt_key`` / ``label_key`` override the columns (a dotted key reaches into a nested dict). A
 prompt may be a string or a list of chat messages in either schema; a string becomes one user
@@ -28,7 +29,8 @@ from colocate_rl.types import Sample
 
 logger = logging.getLogger(__name__)
 
-LABEL_KEYS = {"verl": "reward_model.ground_truth", "slime": "label"}
+LABEL_KEYS = {"verl": "reward_model.ground_truth", "slime": "label", "math": "answer"}
+PROMPT_KEYS = {"verl": "prompt", "slime": "prompt", "math": "problem"}
 _FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 
@@ -131,13 +133,14 @@ def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokeniz
 def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
     fmt = cfg.format
     if fmt == "auto":
-        fmt = "verl" if "reward_model" in columns else "slime" if "label" in columns else ""
+        fmt = ("verl" if "reward_model" in columns else "slime" if "label" in columns
+               else "math" if {"problem", "answer"} <= set(columns) else "")
     if not fmt and not cfg.label_key:
         raise ValueError(
-            f"{source}: cannot tell the format from its columns {columns}: expected 'reward_model' (verl) or "
-            f"'label' (slime); set data.format, or data.prompt_key and data.label_key"
+            f"{source}: cannot tell the format from its columns {columns}: expected 'reward_model' (verl), "
+            f"'label' (slime) or 'problem' + 'answer' (math); set data.format, or data.prompt_key and data.label_key"
         )
-    keys = (cfg.prompt_key or "prompt", cfg.label_key or LABEL_KEYS[fmt])
+    keys = (cfg.prompt_key or PROMPT_KEYS.get(fmt, "prompt"), cfg.label_key or LABEL_KEYS[fmt])
     for key in keys:
         if key.split(".")[0] not in columns:
             raise ValueError(f"{source}: no column '{key.split('.')[0]}' (columns: {', '.join(columns)})")

@@ -26,6 +26,14 @@ class LocalColocated:
         compare(sums, self.rollout.checksum(list(sums)))
         return len(sums)
 
+    def restart_rollout(self) -> None:
+        """A fresh engine in place of a dead one (it loads the model folder's weights: sync after)."""
+        try:
+            self.rollout.shutdown()
+        except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; its processes are gone
+            pass
+        self.rollout = RolloutEngine(self.rollout.cfg, self.rollout.model_path)
+
     def shutdown(self) -> None:
         self.rollout.shutdown()
 

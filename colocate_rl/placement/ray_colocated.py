@@ -158,6 +158,12 @@ class ActorGroup:
     def offload(self, parts=None):
         return self._all("offload", parts)
 
+    def save_checkpoint(self, path):
+        return self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path):
+        return self._all("load_checkpoint", path)
+
 
 class RemoteRollout:
     """rollout.RolloutEngine's methods, forwarded to the engine's Ray actor."""
@@ -202,6 +208,12 @@ class RayColocated:
             ray.get([r.end_sync.remote() for r in ranks])
         self.rollout.end_weight_sync()
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0, buckets=n)
+
+    def restart_rollout(self) -> None:
+        from colocate_rl.rollout import EngineDied
+
+        raise EngineDied("the vLLM engine died; restarting it under the Ray launcher is not supported: "
+                         "run the same command again to resume from the last checkpoint")
 
     def verify(self) -> int:
         """Every rank's checksums of a few tensors equal the engine's; returns how many were checked."""

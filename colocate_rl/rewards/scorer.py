@@ -19,6 +19,7 @@ A timeout or an exception scores 0 and is counted in the stats (``reward/timeout
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import time
 from collections import deque
@@ -41,6 +42,14 @@ _PRELOAD = ["colocate_rl.rewards", "math_verify"]
 _START_TIMEOUT_S = 120.0
 
 
+def _finite(value) -> float:
+    """A reward as float; NaN/inf would turn every advantage of its group into NaN, so it is an error."""
+    r = float(value)
+    if not math.isfinite(r):
+        raise ValueError(f"reward is {r}")
+    return r
+
+
 def _serve(conn: Connection, fn: RewardFn) -> None:
     """Worker: (row, response, label) in, (row, ok, reward or error text) out; row -1 means ready."""
     conn.send((-1, True, 0.0))
@@ -53,7 +62,7 @@ def _serve(conn: Connection, fn: RewardFn) -> None:
             return
         i, response, label = job
         try:
-            conn.send((i, True, float(fn(response, label))))
+            conn.send((i, True, _finite(fn(response, label))))
         except Exception as e:  # noqa: BLE001 - any failure of a user's reward is a counted 0
             conn.send((i, False, f"{type(e).__name__}: {e}"))
 
@@ -113,7 +122,7 @@ class RewardScorer:
         if self.reward.inline:
             for i, (response, label) in enumerate(zip(responses, labels)):
                 try:
-                    rewards[i] = float(self.reward.fn(response, label))
+                    rewards[i] = _finite(self.reward.fn(response, label))
                 except Exception as e:  # noqa: BLE001
                     errors.append(f"{type(e).__name__}: {e}")
             timeouts = 0

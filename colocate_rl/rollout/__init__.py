@@ -1,5 +1,5 @@
 """Rollout: the vLLM engine wrapper and its worker extension."""
 
-from colocate_rl.rollout.engine import RolloutEngine
+from colocate_rl.rollout.engine import EngineDied, RolloutEngine
 
-__all__ = ["RolloutEngine"]
+__all__ = ["EngineDied", "RolloutEngine"]

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -67,6 +68,37 @@ def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     except (OSError, ValueError) as e:
         log.warning("no tokenizer at %s (%s): responses will not be decoded", path, str(e).splitlines()[0])
         return None
+
+
+class EngineDied(RuntimeError):
+    """vLLM's engine process is gone (killed, crashed, out of memory): this engine cannot be used
+    again; build a new one and sync the weights into it."""
+
+
+def _dead(e: BaseException) -> bool:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(e, (EngineDeadError, EngineDied)) or isinstance(e.__cause__, EngineDeadError)
+
+
+def _watch_engine_death(client: Any) -> None:
+    """vLLM's synchronous multiprocess client marks the engine dead when its process exits, but a
+    generate() already waiting on the output queue is never told (the async client is): it would
+    block forever. A daemon thread hands that waiter the EngineDeadError."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    if resources is None or outputs is None:
+        return
+
+    def watch() -> None:
+        while not resources.engine_dead:
+            if getattr(client, "_finalizer", None) is not None and not client._finalizer.alive:
+                return  # shut down on purpose
+            time.sleep(0.2)
+        outputs.put_nowait(EngineDeadError())
+
+    threading.Thread(target=watch, daemon=True, name="crl-engine-death-watch").start()
 
 
 class RolloutEngine:
@@ -142,6 +174,8 @@ class RolloutEngine:
         # vLLM in-process with TP=1 runs its worker in this very process: senders here must pass
         # same_process=True (a CUDA IPC handle cannot be reopened by the process that made it).
         self.workers_in_process = all(pid == os.getpid() for pid in self._rpc("worker_pid"))
+        if self.multiprocess:
+            _watch_engine_death(self.llm.llm_engine.engine_core)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         """collective_rpc on every worker; a weight-sync refusal surfaces as WeightSyncError with
@@ -151,6 +185,8 @@ class RolloutEngine:
         except WeightSyncError:
             raise
         except Exception as e:
+            if _dead(e):
+                raise EngineDied(f"vLLM engine died during {method}: {e}") from e
             m = _WORKER_ERROR.search(str(e))
             text = m and (m.group(1) or m.group(2) or "").strip()
             if text and ("weight sync" in text or "weight-sync" in text or "checksum:" in text):
@@ -185,7 +221,12 @@ class RolloutEngine:
             for i in range(len(samples))
         ]
         prompts = [{"prompt_token_ids": list(s.prompt_ids)} for s in samples]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if samples else []
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False) if samples else []
+        except Exception as e:
+            if _dead(e):
+                raise EngineDied(f"vLLM engine died during generation of {len(samples)} prompts: {e}") from e
+            raise
         return self._to_batch(samples, outputs, n)
 
     def _to_batch(self, samples: list[Sample], outputs: list[Any], n: int) -> RolloutBatch:

@@ -13,6 +13,8 @@ gradients over data-parallel ranks; the loss function multiplies by both to undo
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
@@ -266,8 +268,13 @@ class Actor:
             self.optimizer.zero_grad()
             per_micro = self._run(items, scaled, forward_only=False)
             lr = self.optimizer.param_groups[0]["lr"]
-            ok, grad_norm, _ = self.optimizer.step()
-            if advance_schedule:
+            # Megatron checks for inf/NaN only under fp16 loss scaling; in bf16/fp32 a NaN gradient
+            # would reach Adam and poison every weight. Skip such an update (counted by the loop).
+            if self._grads_finite():
+                ok, grad_norm, _ = self.optimizer.step()
+            else:
+                ok, grad_norm = False, float("nan")
+            if advance_schedule and ok:
                 self.scheduler.step(increment=1)
             m = self._reduce_metrics(per_micro)
             m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
@@ -279,6 +286,15 @@ class Actor:
         out["tokens_per_s"] = out["tokens"] / out["time_s"]
         out["optimizer_steps"] = float(len(steps))
         return out
+
+    def _grads_finite(self) -> bool:
+        """Every rank's gradient buffers hold only finite values (one flag, reduced over the world)."""
+        ok = torch.ones((), device=self.device)
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            ok = ok * torch.isfinite(buf.grad_data).all()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok)
 
     def _reduce_metrics(self, per_micro: list[dict]) -> dict[str, float]:
         """Micro-batch metrics → mini-batch values on every rank: 'loss' summed (it is already
@@ -340,6 +356,36 @@ class Actor:
     def offloaded(self, part: Optional[str] = None) -> bool:
         """Is ``part`` (default: any part) on the host?"""
         return self._offload.offloaded(part)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer and LR schedule into the folder ``path`` through megatron-core's
+        distributed checkpointing (collective: each rank writes its own shards; the result loads at
+        another TP/PP/EP). Needs every part onloaded."""
+        from megatron.core import dist_checkpointing
+
+        self._check_onloaded()
+        os.makedirs(path, exist_ok=True)
+        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        """The inverse of ``save_checkpoint``, resharding to this actor's layout where needed."""
+        from megatron.core import dist_checkpointing
+
+        self._check_onloaded()
+        # Loading optimizer state runs the same tensor-type checks as building the optimizer.
+        cpu_types = contextlib.nullcontext() if platform.has_gpu() else platform.megatron_tensor_methods_on_cpu()
+        with cpu_types:
+            state = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _sharded_state(self, loading: bool) -> dict:
+        model = self.model.module.sharded_state_dict()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading),
+                "scheduler": self.scheduler.state_dict()}  # a plain dict: saved once, in common.pt
 
     # ------------------------------------------------------------ weights out
 

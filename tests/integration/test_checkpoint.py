@@ -1,0 +1,130 @@
+"""Checkpoint and resume through the real recipe command, on CPU with fixed seeds:
+
+- a run of 4 steps, and the same run SIGKILLed in step 3 (after its step-2 checkpoint) and started
+  again, give bit-identical metrics for every step (timings aside) and identical final weights;
+- Ctrl-C (SIGINT) ends the current step cleanly and writes a checkpoint;
+- a checkpoint exports to an HF folder holding the trained weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocate_rl import checkpoint as ck
+from colocate_rl.metrics import read
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = ("time/", "reward/score_s")
+
+
+def command(model: Path, run_dir: Path, name: str, **over) -> list[str]:
+    args = {"model.path": str(model), "model.synthesize": "''", "logging.run_dir": str(run_dir),
+            "logging.run_name": name, "logging.wandb_mode": "disabled", "logging.progress": "false",
+            "logging.plot": "false", "data.prompts_per_step": "8", "rollout.n": "4", "sft.steps": "3",
+            "steps": "4", "eval.every": "2", "checkpoint.every": "2",
+            # varies within every group: each GRPO step really changes the weights
+            "reward.name": "fault_rewards:even_length", **over}
+    return [sys.executable, str(ROOT / "recipes/qwen3_grpo.py"), "preset=tiny", *(f"{k}={v}" for k, v in args.items())]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    rc = p.wait(timeout=timeout)
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    return out
+
+
+def wait_for(path: Path, p: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < timeout, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def comparable(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith(("_s", "GBps"))}
+            for r in rows}
+
+
+def model_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt / ck.ACTOR), str(out))
+    # Megatron's parameter names, and the optimizer state too
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+# Slow: four runs of the recipe command (each starts vLLM and megatron-core, ~30 s on 2 cores).
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model, tmp_path):
+    model = tiny_model("qwen3-tiny")
+    logs = {n: tmp_path / f"{n}.log" for n in ("full", "killed", "resumed", "interrupted")}
+    full = start(command(model, tmp_path, "full"), logs["full"])
+    killed = start(command(model, tmp_path, "killed"), logs["killed"])
+    # Killed in step 3: right after the step-2 checkpoint is complete.
+    wait_for(ck.step_dir(tmp_path / "killed/checkpoints", 2) / ck.MANIFEST, killed, logs["killed"])
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    finish(full, logs["full"])
+
+    resumed = start(command(model, tmp_path, "killed"), logs["resumed"])
+    interrupted = start(command(model, tmp_path, "interrupted", steps="40", **{"checkpoint.every": "0"}),
+                        logs["interrupted"])
+    wait_for(tmp_path / "interrupted/metrics.jsonl", interrupted, logs["interrupted"])
+    while not [r for r in read(tmp_path / "interrupted/metrics.jsonl") if r["step"] >= 1]:
+        assert interrupted.poll() is None, logs["interrupted"].read_text()[-3000:]
+        time.sleep(0.05)
+    interrupted.send_signal(signal.SIGINT)
+    out = finish(resumed, logs["resumed"])
+    assert "resumed from" in out and "step_00000002 at step 2" in out, out[-3000:]
+
+    # Every step's metrics, bit for bit (the killed run's rows after step 2 were dropped and redone).
+    a = comparable(read(tmp_path / "full/metrics.jsonl"))
+    b = comparable(read(tmp_path / "killed/metrics.jsonl"))
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
+    for step in a:
+        assert a[step] == b[step], f"step {step}: {set(a[step].items()) ^ set(b[step].items())}"
+    assert "eval/accuracy" in a[4] and "train_rollout_logprob_abs_diff" in a[4]
+    assert all(a[s]["grad_norm"] > 0 for s in (1, 2, 3, 4)), "every step must change the weights"
+    wa = model_weights(ck.step_dir(tmp_path / "full/checkpoints", 4), tmp_path)
+    wb = model_weights(ck.step_dir(tmp_path / "killed/checkpoints", 4), tmp_path)
+    assert wa.keys() == wb.keys() and len(wa) > 5
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"final weight or optimizer state {k} differs after resume"
+
+    # Ctrl-C: the step in progress finishes, a checkpoint of it is written, the process exits 0.
+    out = finish(interrupted, logs["interrupted"])
+    stopped = [line for line in out.splitlines() if line.startswith("interrupted: stopped cleanly after step")]
+    assert stopped, out[-3000:]
+    last = int(stopped[0].rsplit(" ", 1)[1])
+    assert 1 <= last < 40
+    assert [r["step"] for r in read(tmp_path / "interrupted/metrics.jsonl")] == list(range(last + 1))
+    assert [p.name for p in ck.CheckpointStore(tmp_path / "interrupted/checkpoints", 2).complete()] == \
+        [ck.step_dir(tmp_path, last).name]
+
+    # Export: an HF folder whose weights are the trained ones (not the initial model's).
+    from safetensors.torch import load_file
+
+    hf = ck.export_hf(ck.step_dir(tmp_path / "full/checkpoints", 4), tmp_path / "export")
+    exported, initial = load_file(hf / "model.safetensors"), load_file(model / "model.safetensors")
+    assert exported.keys() == initial.keys()
+    assert torch.equal(exported["model.embed_tokens.weight"], wa["embedding.word_embeddings.weight"])
+    assert not torch.equal(exported["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "qwen3"

@@ -1,0 +1,120 @@
+"""Checkpoint folders without an actor: atomic saves, keep-last-K, damage detection and fallback,
+a real write failure (the file-size limit makes the disk refuse), and the resume config check."""
+
+from __future__ import annotations
+
+import resource
+import signal
+
+import pytest
+import torch
+
+from colocate_rl import checkpoint as ck
+from colocate_rl.config import Config, ConfigError, to_dict
+
+
+def state(step: int, **cfg_changes) -> dict:
+    cfg = to_dict(Config())
+    for dotted, v in cfg_changes.items():
+        node = cfg
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = v
+    return {"step": step, "sampler": {"epoch": 0, "index": step}, "rng": ck.rng_state(), "config": cfg}
+
+
+def writer(size: int = 1000):
+    def write(path: str) -> None:
+        import os
+
+        os.makedirs(path)
+        torch.save(torch.arange(size, dtype=torch.float32), f"{path}/shard.pt")
+
+    return write
+
+
+def test_save_is_atomic_keeps_last_k_and_loads_newest(tmp_path):
+    lines = []
+    store = ck.CheckpointStore(tmp_path, keep=2, log=lines.append)
+    for step in (1, 2, 3):
+        assert store.save(step, writer(), state(step)) == ck.step_dir(tmp_path, step)
+    assert [p.name for p in store.complete()] == ["step_00000002", "step_00000003"]
+    assert not list(tmp_path.glob("*.partial"))
+    loaded_from = []
+    got = store.load("auto", state(0)["config"], loaded_from.append)
+    assert got.step == 3 and got.state["sampler"] == {"epoch": 0, "index": 3}
+    assert loaded_from == [str(ck.step_dir(tmp_path, 3) / ck.ACTOR)]
+    assert lines == []
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "no_manifest"])
+def test_damaged_latest_falls_back_to_previous_and_says_so(tmp_path, damage):
+    lines = []
+    store = ck.CheckpointStore(tmp_path, keep=3, log=lines.append)
+    for step in (2, 4):
+        store.save(step, writer(), state(step))
+    shard = ck.step_dir(tmp_path, 4) / ck.ACTOR / "shard.pt"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip_byte":
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[:100]))
+    else:
+        (ck.step_dir(tmp_path, 4) / ck.MANIFEST).unlink()
+    got = store.load("auto", state(0)["config"], lambda p: None)
+    assert got.step == 2
+    if damage != "no_manifest":  # without a manifest the folder is not a checkpoint at all
+        assert any("step_00000004" in line and "damaged" in line for line in lines), lines
+        assert any("resumed from step_00000002 instead of step_00000004" in line for line in lines), lines
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
+    """The process file-size limit makes the kernel refuse the write (EFBIG), as a full disk would."""
+    lines = []
+    store = ck.CheckpointStore(tmp_path, keep=2, log=lines.append)
+    assert store.save(1, writer(), state(1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        assert store.save(2, writer(size=1 << 20), state(2)) is None  # a 4 MB shard does not fit
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert [p.name for p in store.complete()] == ["step_00000001"]
+    assert not list(tmp_path.glob("*.partial"))
+    assert len(lines) == 1 and "step 2 NOT written" in lines[0] and "kept step_00000001" in lines[0], lines
+    assert store.load("auto", state(0)["config"], lambda p: None).step == 1
+
+
+def test_resume_refuses_config_changes_that_alter_results(tmp_path):
+    store = ck.CheckpointStore(tmp_path, keep=2)
+    store.save(5, writer(), state(5))
+    # Logging, checkpointing, eval and the step count may change.
+    harmless = state(0, logging__run_dir="elsewhere", steps=500, checkpoint__keep=5, eval__every=3)["config"]
+    assert store.load("auto", harmless, lambda p: None).step == 5
+    changed = state(0, actor__lr=2e-6, model__path="other")["config"]
+    with pytest.raises(ConfigError) as e:
+        store.load("auto", changed, lambda p: pytest.fail("the actor must not load"))
+    msg = str(e.value)
+    assert "\n" not in msg and "actor.lr" in msg and "model.path" in msg and "step_00000005" in msg
+
+
+def test_resume_from_an_explicit_folder(tmp_path):
+    store = ck.CheckpointStore(tmp_path / "checkpoints", keep=2)
+    store.save(3, writer(), state(3))
+    other = ck.CheckpointStore(tmp_path / "new-run", keep=2)
+    assert other.load(str(tmp_path), state(0)["config"], lambda p: None).step == 3  # a run folder
+    assert other.load(str(ck.step_dir(tmp_path / "checkpoints", 3)), state(0)["config"], lambda p: None).step == 3
+    assert other.load("never", state(0)["config"], lambda p: None) is None
+    with pytest.raises(ConfigError, match="checkpoint.resume=.*no checkpoint there"):
+        other.candidates(str(tmp_path / "new-run"))
+
+
+def test_rng_state_round_trip():
+    s = ck.rng_state()
+    a = torch.rand(3)
+    ck.set_rng_state(s)
+    assert torch.equal(torch.rand(3), a)
