@@ -8,8 +8,12 @@ trainer/sampler logprob gap in bf16, and device memory at each phase boundary.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import platform as pyplatform
 import time
 from pathlib import Path
@@ -42,6 +46,16 @@ def copy_limits(nbytes: int = GiB) -> dict[str, float]:
     return out
 
 
+def dump(prof: cProfile.Profile, path: str, title: str) -> None:
+    """Appends the top functions by cumulative and by own time to ``path``."""
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("cumulative").print_stats(35)
+    st.sort_stats("tottime").print_stats(25)
+    with open(path, "a") as f:
+        f.write(f"==== {title}\n{out.getvalue()}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
@@ -51,6 +65,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="write a cProfile of the last step (and of both rollouts) here")
     args = ap.parse_args()
 
     from colocate_rl import loop
@@ -76,8 +91,14 @@ def main() -> None:
     s.handoff = Handoff(start=s.handoff.phase, measure=lambda: free_total()[1] - free_total()[0])
     rows = []
     try:
+        prof = cProfile.Profile() if args.profile else None
         for i in range(args.steps + 1):  # the first step warms up (allocator, kernels)
+            if prof and i == args.steps:
+                prof.enable()
             m = loop.colocated_step(s, cfg)
+            if prof and i == args.steps:
+                prof.disable()
+                dump(prof, args.profile, "last colocated step")
             s.step += 1
             print(f"step {i}: " + " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("time/")),
                   flush=True)
@@ -90,13 +111,21 @@ def main() -> None:
         sp = SamplingParams(n=args.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_tokens=args.tokens, logprobs=0, seed=cfg.rollout.seed)
         prompts = [{"prompt_token_ids": x.prompt_ids} for x in samples]
+        prof = cProfile.Profile() if args.profile else None
         t0 = time.perf_counter()
-        outs = s.rollout.llm.generate(prompts, sp, use_tqdm=False)
+        with prof or contextlib.nullcontext():
+            outs = s.rollout.llm.generate(prompts, sp, use_tqdm=False)
         bare_s = time.perf_counter() - t0
+        if prof:
+            dump(prof, args.profile, "bare LLM.generate")
         bare_tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
+        prof = cProfile.Profile() if args.profile else None
         t0 = time.perf_counter()
-        batch = s.rollout.generate(samples)
+        with prof or contextlib.nullcontext():
+            batch = s.rollout.generate(samples, seed=s.step_seed())
         ours_s = time.perf_counter() - t0
+        if prof:
+            dump(prof, args.profile, "RolloutEngine.generate (as in the loop)")
         ours_tokens = int(batch.response_lens.sum())
         # Per-token logprob gap (bf16) on that batch, before any update.
         s.rollout.sleep(cfg.rollout.sleep_level)
