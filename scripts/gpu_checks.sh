@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with vLLM, megatron-core and this project importable: runs the GPU test tier
-# and the colocated handoff benchmark, writing logs and results to $1 (default ./gpu-results).
-#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|all]
+# and the benchmarks, writing logs and results to $1 (default ./gpu-results).
+#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|disagg|dsv4|all]
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
 mkdir -p "$out"
@@ -14,11 +14,20 @@ mkdir -p "$TMPDIR"
 cd "$root" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
 rc=0
-if [ "$what" != bench ]; then
+run() { [ "$what" = all ] || [ "$what" = "$1" ]; }
+if run tests; then
   python3 -m pytest -q -rs tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -vE "^\(|INFO" | tail -40 || rc=1
 fi
-if [ "$what" != tests ]; then
-  python3 benchmarks/handoff.py --out "$out/handoff_h200.json" 2>&1 | tee "$out/handoff.log" \
-    | grep -vE "INFO|^\(" | tail -60 || rc=1
+if run bench; then  # the colocated handoff: Qwen3-0.6B shape, then a small Qwen3-MoE shape
+  for shape in qwen3-0.6b qwen3-moe-small; do
+    python3 benchmarks/handoff.py --shape "$shape" --out "$out/handoff_$shape.json" --profile "$out/profile_$shape.txt" \
+      2>&1 | tee "$out/handoff_$shape.log" | grep -vE "INFO|^\(" | tail -60 || rc=1
+  done
+fi
+if run disagg; then  # needs two GPUs
+  python3 benchmarks/disagg_gpu.py --out "$out/disagg.json" 2>&1 | tee "$out/disagg.log" | grep -vE "INFO|^\(" | tail -40 || rc=1
+fi
+if run dsv4; then
+  python3 benchmarks/dsv4_parity_gpu.py "$out/dsv4_parity.json" 2>&1 | tee "$out/dsv4.log" | grep -vE "INFO|^\(" | tail -40 || rc=1
 fi
 exit $rc
