@@ -199,3 +199,27 @@ def test_bad_parallel_layouts_are_named(tp, pp, ep, match):
     with pytest.raises(ValueError, match=match):
         family_for(hf).check_parallel(hf, tp, pp, ep)
     family_for(hf).check_parallel(hf, 1, 1, 2)
+
+
+def test_checkpoint_reads_quantized_weights_dequantized_and_sliced(tmp_path):
+    """A ``.weight`` with a ``.scale`` beside it reads back dequantised (FP8 block and MXFP4), whole
+    or as a tensor-parallel slice; tensors without a scale read as stored."""
+    from safetensors.torch import save_file
+
+    from colocate_rl.models.hf_checkpoint import HFCheckpoint
+
+    g = torch.Generator().manual_seed(3)
+    dense, expert, plain = torch.randn(200, 256, generator=g), torch.randn(64, 128, generator=g), torch.randn(7)
+    fq, fs = q.quant_fp8_block(dense)
+    mq, ms = q.quant_mxfp4(expert)
+    save_file({"a.weight": fq, "a.scale": fs, "e.w1.weight": mq, "e.w1.scale": ms, "n.weight": plain},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"weight_block_size": [128, 128]}}))
+    with HFCheckpoint(tmp_path) as ckpt:
+        full = ckpt.read("a.weight")
+        assert full.dtype == torch.bfloat16 and torch.equal(full, q.dequant_fp8_block(fq, fs))
+        assert torch.equal(ckpt.read("a.weight", 0, 100, 200), full[100:200])
+        assert torch.equal(ckpt.read("a.weight", 1, 128, 256), full[:, 128:])
+        assert torch.equal(ckpt.read("e.w1.weight"), q.dequant_mxfp4(mq, ms))
+        assert torch.equal(ckpt.read("n.weight"), plain)
+        assert ((ckpt.read("a.weight").float() - dense).abs() <= dense.abs().max() * 2 ** -4).all()
