@@ -20,7 +20,8 @@ from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq, to_tra
 from colocate_rl.models.deepseek_v4.weights import params, transformers_name, transformers_state_dict  # noqa: E402
 from colocate_rl.models import quantized as q  # noqa: E402
 
-FLASH = Path(__file__).resolve().parents[3] / "shared" / "data" / "dsv4_flash_config.json"
+# The released DeepSeek-V4-Flash config.json (official key names), as published.
+FLASH = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v4_flash_config.json"
 
 
 def tconfig(**kw) -> DeepseekV4Config:
