@@ -61,7 +61,6 @@ def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):
         # Sleeping vLLM frees its KV cache (1 GiB) and weights; offloading the actor frees its state.
         assert used["idle"] < used["rollout"] - 2**29, used
         assert used["actor_params"] < used["actor"], used
-        assert used["rollout_weights"] < used["sync"], used
     finally:
         s.close()
 
