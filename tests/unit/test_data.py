@@ -189,3 +189,23 @@ def test_sampler_resume_gives_identical_batches():
     assert [resumed.next_batch() for _ in range(6)] == expected
     with pytest.raises(ValueError, match="does not fit a dataset of 7 prompts"):
         resumed.load_state_dict({"epoch": 0, "index": 9})
+
+
+def test_math_eval_set_schema_and_an_eval_set_without_answers(tmp_path, tokenizer):
+    """AIME / MATH-style files ({"problem", "answer"}) are read as they are; a set without answers
+    stops in one line naming the file, and a row with a missing answer names its row."""
+    good = tmp_path / "aime.jsonl"
+    good.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    ds = load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(good))
+    assert [s.label for s in ds.samples] == ["1", "2", "3"] and ds.samples[0].prompt_text == "What is 0+1?"
+
+    no_answers = tmp_path / "no_answers.jsonl"
+    no_answers.write_text(json.dumps({"problem": "What is 1+1?"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(no_answers))
+    assert "\n" not in str(e.value) and str(no_answers) in str(e.value) and "answer" in str(e.value)
+
+    one_missing = tmp_path / "one_missing.jsonl"
+    one_missing.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?", "answer": None}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{one_missing} row 1: "):
+        load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(one_missing))
