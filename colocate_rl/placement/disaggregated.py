@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colocate_rl import platform
 from colocate_rl.config import Config, ConfigError, actor_world_size
-from colocate_rl.placement.ray_colocated import _free_port, _Host, start_ray
+from colocate_rl.placement.ray_colocated import ActorGroup, _free_port, _Host, start_ray
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -148,42 +147,10 @@ def is_lost(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayActorError) or "EngineDeadError" in text or "EngineDied" in text
 
 
-class ActorPool:
-    """The actor ranks as one object with trainer.Actor's methods. Each call is submitted to every
-    rank under one lock, so calls from the loop and from the rollout thread (an engine's re-sync)
-    reach all ranks in the same order: their collectives cannot interleave."""
-
-    def __init__(self, ranks: list):
-        self.ranks = ranks
-        self.lock = threading.Lock()
-
-    def submit(self, method: str, *args) -> list:
-        with self.lock:
-            return [getattr(r, method).remote(*args) for r in self.ranks]
-
-    def _all(self, method: str, *args):
-        return ray.get(self.submit("call", method, *args))[0]
-
-    def compute_logprobs(self, batch):
-        return self._all("compute_logprobs", batch)
-
-    def train_step(self, batch, old_logprobs):
-        return self._all("train_step", batch, old_logprobs)
-
-    def sft_step(self, batch):
-        return self._all("sft_step", batch)
-
-    def onload(self, parts=None):
-        return self._all("onload", parts)
-
-    def offload(self, parts=None):
-        return self._all("offload", parts)
-
-
 @dataclass
 class RayDisaggregated:
     cfg: Config
-    actor: ActorPool
+    actor: ActorGroup
     hosts: list  # EngineHost per engine
     pgs: tuple  # (actor pool, rollout pool)
     authkey: bytes
@@ -325,7 +292,7 @@ def launch(cfg: Config) -> RayDisaggregated:
         ranks.append(TrainerRank.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg_actor, placement_group_bundle_index=rank), **opts,
         ).remote(cfg, env, authkey))
-    w = RayDisaggregated(cfg, ActorPool(ranks), [], (pg_actor, pg_rollout), authkey, p)
+    w = RayDisaggregated(cfg, ActorGroup(ranks), [], (pg_actor, pg_rollout), authkey, p)
     w.hosts = [w._start_engine(i) for i in range(len(p.rollout))]
     w.pids = ray.get([h.pid.remote() for h in w.hosts])
     shapes = ray.get(w.hosts[0].call.remote("weight_shapes"))

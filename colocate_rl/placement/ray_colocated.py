@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,13 +136,20 @@ class RolloutHost(_Host):
 
 class ActorGroup:
     """The actor ranks as one object with trainer.Actor's methods: each call runs on every rank
-    (they are collective) and returns rank 0's result."""
+    (they are collective) and returns rank 0's result. Calls are submitted to every rank under one
+    lock, so calls from two threads (the loop, and a disaggregated engine's re-sync) reach all ranks
+    in the same order: their collectives cannot interleave."""
 
     def __init__(self, ranks: list):
         self.ranks = ranks
+        self.lock = threading.Lock()
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        with self.lock:
+            return [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
 
     def _all(self, method: str, *args, **kwargs):
-        return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])[0]
+        return ray.get(self.submit("call", method, *args, **kwargs))[0]
 
     def compute_logprobs(self, batch):
         return self._all("compute_logprobs", batch)

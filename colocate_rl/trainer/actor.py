@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import time
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
@@ -365,8 +366,15 @@ class Actor:
         another TP/PP/EP). Needs every part onloaded."""
         from megatron.core import dist_checkpointing
 
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
         self._check_onloaded()
         os.makedirs(path, exist_ok=True)
+        # A synchronous save writes in threads of this process; megatron-core would otherwise start a
+        # spawn-context multiprocessing Manager only to carry their results back, a process that
+        # outlives a run ended by os._exit and needs import-safe __main__ modules.
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = queue.Queue()
         dist_checkpointing.save(self._sharded_state(loading=False), str(path))
 
     def load_checkpoint(self, path: str) -> None:

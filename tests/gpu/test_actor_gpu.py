@@ -15,7 +15,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 from safetensors.torch import load_file  # noqa: E402
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
-from colocate_rl.types import RolloutBatch, Sample  # noqa: E402
+from colocate_rl.types import RolloutBatch  # noqa: E402
+
+from batches import synthetic_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -24,19 +26,7 @@ SHAPES = ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"]
 
 def make_batch(vocab: int = 320) -> RolloutBatch:
     """8 rows (4 prompts x 2 samples), right-padded; advantages +1 / -1."""
-    lens = torch.tensor([24, 17, 21, 9, 20, 13, 24, 8])
-    b, t = len(lens), int(lens.max())
-    tokens = torch.randint(3, vocab, (b, t), generator=torch.Generator().manual_seed(0))
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :4] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 4), response_lens=lens - 4, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3, 4])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([24, 17, 21, 9, 20, 13, 24, 8], prompt_len=4, vocab=vocab)
 
 
 def make_actor(path, dtype="float32", **actor):

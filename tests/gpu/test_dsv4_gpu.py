@@ -12,7 +12,9 @@ import torch
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
-from colocate_rl.types import RolloutBatch, Sample  # noqa: E402
+from colocate_rl.types import RolloutBatch  # noqa: E402
+
+from batches import synthetic_batch  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
               pytest.mark.skipif(not hasattr(__import__("transformers"), "DeepseekV4Config"),
@@ -20,19 +22,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def make_batch() -> RolloutBatch:
-    lens = torch.tensor([300, 260, 140, 90])
-    b, t = len(lens), int(lens.max())
-    tokens = torch.randint(3, 320, (b, t), generator=torch.Generator().manual_seed(0))
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :4] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 4), response_lens=lens - 4, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3, 4])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([300, 260, 140, 90], prompt_len=4)
 
 
 def actor_for(path, dtype):

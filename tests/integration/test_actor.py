@@ -12,28 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colocate_rl.config import Config, ModelConfig
-from colocate_rl.types import RolloutBatch, Sample
+from colocate_rl.types import RolloutBatch
+
+from batches import synthetic_batch
 
 SHAPES = ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"]
 
 
 def make_batch(vocab: int = 320, pad_to: int = 0, seed: int = 0) -> RolloutBatch:
     """6 rows (3 prompts x 2 samples) of prompt 3 + response, right-padded; advantages +1 / -1."""
-    lens = torch.tensor([12, 9, 11, 6, 10, 7])
-    b, t = len(lens), max(int(lens.max()), pad_to)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.nn.functional.pad(torch.randint(3, vocab, (b, int(lens.max())), generator=g),
-                                     (0, t - int(lens.max())))
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :3] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 3), response_lens=lens - 3, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([12, 9, 11, 6, 10, 7], vocab=vocab, seed=seed, pad_to=pad_to)
 
 
 def make_actor(path, dtype="float32", **actor):

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from colocate_rl.config import Config, ModelConfig
-from colocate_rl.types import RolloutBatch, Sample
+from colocate_rl.types import RolloutBatch
+
+from batches import synthetic_batch
 
 # (name, model shape, actor overrides); world size 2 for each.
 LAYOUTS = [
@@ -21,19 +23,7 @@ LAYOUTS = [
 
 def make_batch() -> RolloutBatch:
     """8 rows (4 prompts x 2 samples), right-padded; advantages +1 / -1."""
-    lens = torch.tensor([12, 9, 11, 6, 10, 7, 12, 5])
-    b, t = len(lens), int(lens.max())
-    tokens = torch.randint(3, 320, (b, t), generator=torch.Generator().manual_seed(1))
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :3] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 3), response_lens=lens - 3, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([12, 9, 11, 6, 10, 7, 12, 5], seed=1)
 
 
 def run_layout(path: str, overrides: dict) -> dict:

@@ -11,27 +11,16 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers.models.deepseek_v4")
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
-from colocate_rl.types import RolloutBatch, Sample  # noqa: E402
+from colocate_rl.types import RolloutBatch  # noqa: E402
+
+from batches import synthetic_batch  # noqa: E402
 
 SHAPE = "deepseek-v4-tiny"
 
 
 def make_batch(vocab: int = 320, seed: int = 0) -> RolloutBatch:
     """4 rows (2 prompts x 2 samples), right-padded, 3 prompt tokens; advantages +1 / -1."""
-    lens = torch.tensor([20, 14, 17, 9])
-    b, t = len(lens), int(lens.max())
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(3, vocab, (b, t), generator=g)
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :3] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 3), response_lens=lens - 3, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([20, 14, 17, 9], vocab=vocab, seed=seed)
 
 
 def make_actor(path, **actor):

@@ -14,25 +14,15 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers.models.deepseek_v4")
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
-from colocate_rl.types import RolloutBatch, Sample  # noqa: E402
+from colocate_rl.types import RolloutBatch  # noqa: E402
+
+from batches import synthetic_batch  # noqa: E402
 
 LAYOUTS = [("ep2", dict(ep=2, distributed_optimizer=True))]
 
 
 def make_batch() -> RolloutBatch:
-    lens = torch.tensor([14, 9, 11, 6, 10, 7, 12, 5])
-    b, t = len(lens), int(lens.max())
-    tokens = torch.randint(3, 320, (b, t), generator=torch.Generator().manual_seed(1))
-    attn = torch.arange(t)[None] < lens[:, None]
-    tokens[~attn] = 0
-    loss = attn.clone()
-    loss[:, :3] = False
-    return RolloutBatch(
-        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
-        prompt_lens=torch.full((b,), 3), response_lens=lens - 3, group_ids=torch.arange(b) // 2,
-        truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b, responses=[""] * b,
-        samples=[Sample([1, 2, 3])] * b, advantages=torch.tensor([1.0, -1.0] * (b // 2)),
-    )
+    return synthetic_batch([14, 9, 11, 6, 10, 7, 12, 5], seed=1)
 
 
 def run_layout(path: str, overrides: dict) -> dict:

@@ -1,0 +1,30 @@
+"""Synthetic rollout batches for the actor tests: random tokens, right-padded, two samples per
+prompt, advantages +1 / -1 (importable from every test folder: tests/ holds the root conftest)."""
+
+from __future__ import annotations
+
+import torch
+
+from colocate_rl.types import RolloutBatch, Sample
+
+
+def synthetic_batch(lens: list[int], prompt_len: int = 3, vocab: int = 320, seed: int = 0,
+                    pad_to: int = 0) -> RolloutBatch:
+    """len(lens) rows of lens[i] tokens (the first prompt_len are the prompt), right-padded to
+    max(max(lens), pad_to); rows 2k and 2k+1 are one prompt's group."""
+    lens_t = torch.tensor(lens)
+    b, longest = len(lens), int(lens_t.max())
+    t = max(longest, pad_to)
+    tokens = torch.randint(3, vocab, (b, longest), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.nn.functional.pad(tokens, (0, t - longest))
+    attn = torch.arange(t)[None] < lens_t[:, None]
+    tokens[~attn] = 0
+    loss = attn.clone()
+    loss[:, :prompt_len] = False
+    return RolloutBatch(
+        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(b, t),
+        prompt_lens=torch.full((b,), prompt_len), response_lens=lens_t - prompt_len,
+        group_ids=torch.arange(b) // 2, truncated=torch.zeros(b, dtype=torch.bool), finish_reasons=["stop"] * b,
+        responses=[""] * b, samples=[Sample(list(range(1, prompt_len + 1)))] * b,
+        advantages=torch.tensor([1.0, -1.0] * (b // 2)),
+    )
