@@ -204,26 +204,38 @@ def warm_start(s: Session) -> None:
 
 
 def run_disaggregated(cfg: Config) -> dict:
-    if cfg.checkpoint.every:
-        raise NotImplementedError("checkpoint.every > 0 is not available with placement.mode=disaggregated yet")
     s = start_session(cfg)  # the actor pool, the engines behind the router, the rollout buffer
     w = s.workers
     try:
-        if cfg.sft.steps and s.step == 0:
-            for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
-                s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
-            s.sync_weights()
-        if cfg.eval.every and cfg.eval.at_start and s.step == 0:
-            s.log.log(0, s.evaluate())
-        w.buffer.request(s.sampler.next_batch(), w.version)
-        for step in tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
-                         total=cfg.steps):
-            metrics = disaggregated_step(s, cfg, last=step + 1 == cfg.steps)
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                metrics.update(s.evaluate())
-            s.step = step + 1
-            s.log.log(s.step, metrics)
-            tqdm.write(console_line(s.step, cfg.steps, metrics))
+        with StopOnInterrupt() as interrupt:
+            # The actor is always resident here: restore it, then broadcast its weights.
+            if s.checkpoints.candidates(cfg.checkpoint.resume):
+                loaded = s.checkpoints.load(cfg.checkpoint.resume, C.to_dict(cfg), s.actor.load_checkpoint)
+                if loaded is not None:
+                    s.restore(loaded)
+                    s.sync_weights()
+            if cfg.sft.steps and s.step == 0:
+                for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
+                    s.actor.sft_step(s.sft_batch(cfg.sft.batch_size, seed=i))
+                s.sync_weights()
+            if cfg.eval.every and cfg.eval.at_start and s.step == 0:
+                s.log.log(0, s.evaluate())
+            if s.step < cfg.steps:
+                w.buffer.request(s.sampler.next_batch(), w.version)
+            for step in tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress,
+                             initial=s.step, total=cfg.steps):
+                metrics = disaggregated_step(s, cfg, last=interrupt.requested or step + 1 == cfg.steps)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+                    metrics.update(s.evaluate())
+                s.step = step + 1
+                s.log.log(s.step, metrics)
+                tqdm.write(console_line(s.step, cfg.steps, metrics))
+                s.check_update(metrics)
+                if s.checkpoint_due() or (interrupt.requested and cfg.checkpoint.on_interrupt):
+                    s.save_checkpoint()
+                if interrupt.requested:
+                    tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+                    break
         return s.finish()
     finally:
         s.close()

@@ -24,11 +24,10 @@ pytestmark = pytest.mark.slow  # Ray start and three processes importing vLLM / 
 def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, even_length_reward):
     """loop.run on the tiny recipe with placement.mode=disaggregated (plus shortening and the
     off-policy switch). First in the module: it owns its Ray instance, then the shared one starts."""
-    cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.mode": "disaggregated", "rollout.off_policy": "true",
-                                            "reward.name": "test_even_length", "steps": "3", "sft.steps": "2",
-                                            "eval.every": "3", "eval.sets": "[arithmetic]"})
+    over = {"placement.mode": "disaggregated", "rollout.off_policy": "true", "reward.name": "test_even_length",
+            "steps": "3", "sft.steps": "2", "eval.every": "3", "eval.sets": "[arithmetic]", "checkpoint.every": "2"}
     try:
-        out = loop.run(cfg)
+        out = loop.run(tiny_cfg(tmp_path, tiny_model, **over))
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -36,6 +35,16 @@ def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, eve
     assert out["steps"] == 3 and [r["rollout/staleness"] for r in steps] == [0, 1, 1]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     assert all(r["rollout/engine_restarts"] == 0 for r in steps)
+    ckpts = sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002", "step_00000003"], ckpts  # every 2 steps, and at the end
+
+    # The same run extended by one step resumes from step 3 (actor restored, weights broadcast).
+    try:
+        out = loop.run(tiny_cfg(tmp_path, tiny_model, **{**over, "steps": "4"}))
+    finally:
+        ray.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert out["steps"] == 4 and [r["step"] for r in rows] == [0, 1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module")
