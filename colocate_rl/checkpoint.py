@@ -193,7 +193,8 @@ class CheckpointStore:
         except Exception as e:  # noqa: BLE001 - any failure to write leaves the previous checkpoints intact
             shutil.rmtree(tmp, ignore_errors=True)
             kept = self.complete()
-            self.log(f"checkpoint at step {step} NOT written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.log(f"checkpoint at step {step} NOT written ({why}); "
                      f"{'kept ' + kept[-1].name if kept else 'no earlier checkpoint exists'}")
             return None
         for old in self.complete()[: -self.keep] if self.keep > 0 else []:

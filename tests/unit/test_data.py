@@ -206,6 +206,7 @@ def test_math_eval_set_schema_and_an_eval_set_without_answers(tmp_path, tokenize
     assert "\n" not in str(e.value) and str(no_answers) in str(e.value) and "answer" in str(e.value)
 
     one_missing = tmp_path / "one_missing.jsonl"
-    one_missing.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2?", "answer": None}) + "\n")
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]
+    one_missing.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=rf"^{one_missing} row 1: "):
         load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(one_missing))
