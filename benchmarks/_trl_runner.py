@@ -1,8 +1,11 @@
-"""TRL's side of benchmarks/cpu_vs_trl.py; runs in the benchmark's own venv (trl_requirements.txt).
+"""TRL's side of benchmarks/cpu_vs_trl.py (in that benchmark's own venv, trl_requirements.txt) and of
+benchmarks/gpu_vs_trl.py (on the GPU machine, beside vLLM).
 
     python benchmarks/_trl_runner.py spec.json out.json
 
-GRPOTrainer with HF generate on CPU (use_vllm=False), one optimizer step per generation batch.
+GRPOTrainer, one optimizer step per generation batch: on CPU with HF generate (use_vllm=False); with
+spec "gpu" on the GPU with vLLM in colocate mode (sleep mode on, as our loop), bf16 autocast over
+fp32 weights (TRL's mixed precision) and micro-batches of spec "micro_batch" completions.
 Training stops after ``max_steps`` or once ``budget_s`` seconds of training have passed (eval time
 excluded). Greedy eval responses are returned as text, so the caller scores both sides with the
 same reward function. Nothing here imports colocate_rl: this venv has TRL, not our stack.
@@ -57,7 +60,7 @@ class Clock(TrainerCallback):
 
     def __init__(self, spec, tok, eval_prompts):
         self.spec, self.tok, self.eval_prompts = spec, tok, eval_prompts
-        self.train_s, self.step_s, self.evals = 0.0, [], []
+        self.train_s, self.step_s, self.evals, self.logs = 0.0, [], [], []
         self.next_mark = spec["eval_every_s"] or float("inf")
         self.last = None
 
@@ -71,6 +74,9 @@ class Clock(TrainerCallback):
         if self.eval_prompts:
             self._eval(model, 0)
         self.last = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.logs.append(dict(logs or {}))
 
     def on_step_end(self, args, state, control, model=None, **kw):
         now = time.perf_counter()
@@ -102,6 +108,7 @@ def main(spec_path: str, out_path: str) -> None:
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
+    gpu = spec.get("gpu", False)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     train = Dataset.from_list([{"prompt": p, "label": lab} for p, lab in spec["train"]])
     ids = tok([p for p, _ in spec["train"][:8]])["input_ids"]
@@ -109,16 +116,22 @@ def main(spec_path: str, out_path: str) -> None:
         raise SystemExit(f"prompt token ids differ from colocate_rl's: {ids[:2]} vs {spec['train_prompt_ids'][:2]}")
     n, prompts = spec["n"], spec["prompts_per_step"]
     gen_kwargs = {"min_new_tokens": spec["max_tokens"]} if spec["force_length"] else None
+    micro = spec.get("micro_batch", prompts * n)
+    vllm_args = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+                     vllm_gpu_memory_utilization=spec.get("vllm_gpu_memory_utilization", 0.5),
+                     vllm_max_model_length=spec.get("max_model_len"),
+                     gradient_checkpointing=False) if gpu else {}  # memory is ample: no recompute, as ours
     args = GRPOConfig(
-        output_dir=spec["out_dir"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"], report_to="none",
-        per_device_train_batch_size=prompts * n, gradient_accumulation_steps=1, num_generations=n,
+        output_dir=spec["out_dir"], use_cpu=not gpu, bf16=gpu, fp16=False, seed=spec["seed"], report_to="none",
+        per_device_train_batch_size=micro, gradient_accumulation_steps=prompts * n // micro, num_generations=n,
+        **vllm_args,
         max_completion_length=spec["max_tokens"], temperature=spec["temperature"], top_p=1.0,
         generation_kwargs=gen_kwargs,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=spec["grad_clip"],
         beta=0.0, epsilon=spec["eps_low"], epsilon_high=spec["eps_high"], num_iterations=1,
         loss_type="dapo", scale_rewards="group",
-        max_steps=spec["max_steps"], logging_steps=10**9, save_strategy="no", disable_tqdm=True,
+        max_steps=spec["max_steps"], logging_steps=1 if gpu else 10**9, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, shuffle_dataset=True,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=train,
@@ -134,7 +147,7 @@ def main(spec_path: str, out_path: str) -> None:
     trainer.train()
     out = {
         "startup_s": startup_s, "steps": len(clock.step_s), "train_s": clock.train_s, "step_s": clock.step_s,
-        "phases": phases, "evals": clock.evals, "threads": torch.get_num_threads(),
+        "phases": phases, "evals": clock.evals, "logs": clock.logs, "threads": torch.get_num_threads(),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                      "python": sys.version.split()[0]},
         "loss_type": args.loss_type, "optim": str(args.optim),

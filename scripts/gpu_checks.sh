@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with vLLM, megatron-core and this project importable: runs the GPU test tier
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
-#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|disagg|dsv4|all]
+#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|trl|disagg|dsv4|all]
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
 mkdir -p "$out"
@@ -15,14 +15,22 @@ cd "$root" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
 rc=0
 run() { [ "$what" = all ] || [ "$what" = "$1" ]; }
-if run tests; then
-  python3 -m pytest -q -rs tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -vE "^\(|INFO" | tail -40 || rc=1
+if run tests; then  # one log per file, written as it goes
+  for f in tests/gpu/test_*.py; do
+    python3 -m pytest -q -rs "$f" > "$out/$(basename "$f" .py).log" 2>&1 || rc=1
+    tail -3 "$out/$(basename "$f" .py).log"
+  done
 fi
 if run bench; then  # the colocated handoff: Qwen3-0.6B shape, then a small Qwen3-MoE shape
   for shape in qwen3-0.6b qwen3-moe-small; do
     python3 benchmarks/handoff.py --shape "$shape" --out "$out/handoff_$shape.json" --profile "$out/profile_$shape.txt" \
-      2>&1 | tee "$out/handoff_$shape.log" | grep -vE "INFO|^\(" | tail -60 || rc=1
+      > "$out/handoff_$shape.log" 2>&1 || rc=1
+    grep -vE "INFO|^\(" "$out/handoff_$shape.log" | tail -60
   done
+fi
+if run trl; then  # ours vs TRL's GRPOTrainer (vLLM colocate mode), one GPU
+  python3 benchmarks/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
+  grep -vE "INFO|^\(" "$out/gpu_vs_trl.log" | tail -40
 fi
 if run disagg; then  # needs two GPUs
   python3 benchmarks/disagg_gpu.py --out "$out/disagg.json" 2>&1 | tee "$out/disagg.log" | grep -vE "INFO|^\(" | tail -40 || rc=1

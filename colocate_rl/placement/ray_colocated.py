@@ -240,6 +240,14 @@ class RayColocated:
         remove_placement_group(self.pg)
 
 
+def bundles_and_share(world: int, gpu: bool) -> tuple[list[dict], dict]:
+    """One bundle per rank (on GPU: one GPU and one CPU); rank 0's bundle also hosts vLLM, so each
+    process asks for half of every resource in it. Both halves matter: a Ray actor that names only
+    num_gpus still takes one CPU, the bundle's only one, and the engine would wait for it forever."""
+    bundles = [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+    return bundles, ({"num_gpus": 0.5, "num_cpus": 0.5} if gpu else {"num_cpus": 0.5})
+
+
 def launch(cfg: Config) -> RayColocated:
     if cfg.placement.nnodes > 1:
         # One vLLM engine per node and a rank-0 rendezvous on the first node are not wired yet.
@@ -247,11 +255,9 @@ def launch(cfg: Config) -> RayColocated:
     start_ray(cfg)
     world = actor_world_size(cfg)
     gpu = cfg.placement.gpus_per_node > 0
-    # One bundle per rank; on GPU each bundle is one GPU, shared 50/50 between the rank and vLLM.
-    bundles = [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+    bundles, share = bundles_and_share(world, gpu)
     pg = placement_group(bundles, strategy="PACK")
     ray.get(pg.ready())
-    share = {"num_gpus": 0.5} if gpu else {"num_cpus": 0.5}
     authkey = secrets.token_bytes(32)
     master_port = _free_port()
     node_ip = ray.util.get_node_ip_address()

@@ -8,6 +8,7 @@ into the processed parameters leaves the quantization state wrong (e4m3fnuz on R
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -18,8 +19,13 @@ if not torch.cuda.is_available():
 if torch.version.hip is None and torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 GEMMs need compute capability >= 8.9 (Ada/Hopper) on CUDA", allow_module_level=True)
 
-from colocate_rl.types import Sample
-from colocate_rl.weight_sync.fp8 import BLOCK, fp8_targets, quantize_named
+# vLLM's default block-FP8 GEMM on Hopper is DeepGEMM, whose first use compiles ~1,500 kernels (minutes
+# on an H200); its Triton/CUTLASS kernels load the same weights through the same
+# post-load processing, which is what this test is about.
+os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
+
+from colocate_rl.types import Sample  # noqa: E402
+from colocate_rl.weight_sync.fp8 import BLOCK, fp8_targets, quantize_named  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[11, 12, 13, 14], [20, 21, 22], [5, 6, 7, 8, 9], [30, 31]]

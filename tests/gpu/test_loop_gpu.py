@@ -31,7 +31,8 @@ def gpu_cfg(tmp_path, model, gpus: int = 1, **over):
             "logging.run_dir": str(tmp_path), "logging.run_name": "gpu", "logging.wandb_mode": "disabled",
             "logging.progress": "false", "logging.plot": "false", "data.prompts_per_step": "16", "rollout.n": "4",
             "rollout.max_response_tokens": "16", "rollout.multiprocess": "true", "rollout.kv_cache_memory_mb": "1024",
-            "rollout.gpu_memory_utilization": "0.3", "sft.steps": "0", "eval.every": "0", "checkpoint.at_end": "false",
+            "rollout.gpu_memory_utilization": "0.3", "rollout.enforce_eager": "true", "sft.steps": "0",
+            "eval.every": "0", "checkpoint.at_end": "false",
             "placement.gpus_per_node": str(gpus), "placement.launcher": "local" if gpus == 1 else "ray",
             "rollout.verify_sync_every": "1", **over}
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])

@@ -22,8 +22,9 @@ from colocate_rl.weight_sync import IpcReceiver, IpcSender, WeightSyncError, dev
 
 PROMPTS = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
 # fp32 on both sides; GPU kernels (FlexAttention / cuBLAS) order fp32 sums differently from the
-# HF forward, so the bound is looser than the CPU's 1e-4 and still far below the control gap.
-TOL = 1e-3
+# HF forward (1.1e-3 to 1.4e-3 measured on an H200), so the bound is looser than the CPU's 1e-4 and
+# still 25x below the control gap.
+TOL = 2e-3
 GAP = 0.05
 
 
@@ -233,8 +234,11 @@ def _assert_refused(eng, message, match):
     with pytest.raises(WeightSyncError, match=match):
         eng.load_message(message)
     after = greedy()
-    assert torch.equal(before.tokens, after.tokens) and torch.equal(before.rollout_logprobs, after.rollout_logprobs)
+    # Untouched weights: equal checksums. Greedy tokens equal too; logprobs only to 1e-4, since GPU
+    # decode kernels are not bitwise repeatable from call to call (measured on an H200).
     assert eng.checksum(names) == sums
+    assert torch.equal(before.tokens, after.tokens)
+    torch.testing.assert_close(after.rollout_logprobs, before.rollout_logprobs, atol=1e-4, rtol=0)
 
 
 def _bad_message(eng, extra):

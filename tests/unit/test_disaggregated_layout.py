@@ -1,5 +1,6 @@
 """Disaggregated placement sized from config: the two pools' bundles, the published DeepSeek-V4
-layout, the one-key switch of a recipe, and the config checks of the mode's options."""
+layout, the one-key switch of a recipe, and the config checks of the mode's options; and the
+colocated mode's Ray bundle, which one actor rank and vLLM share."""
 
 from __future__ import annotations
 
@@ -75,3 +76,15 @@ def test_fp8_rollout_needs_gpus_and_the_disaggregated_mode():
     c = cfg("placement.gpus_per_node=8", "placement.actor_gpus=4", "rollout.tensor_parallel_size=4",
             "rollout.weight_quantization=fp8")
     assert c.rollout.weight_quantization == "fp8"
+
+
+def test_colocated_bundle_holds_a_rank_and_the_engine():
+    from colocate_rl.placement.ray_colocated import bundles_and_share
+
+    for gpu in (True, False):
+        bundles, share = bundles_and_share(2, gpu)
+        assert len(bundles) == 2
+        # What Ray reserves for an actor: the options given, else one CPU and no GPU.
+        demand = {"GPU": share.get("num_gpus", 0), "CPU": share.get("num_cpus", 1)}
+        for resource, amount in bundles[0].items():  # rank 0 and vLLM share bundle 0
+            assert 2 * demand[resource] <= amount, (gpu, resource)

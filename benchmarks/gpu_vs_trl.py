@@ -1,0 +1,149 @@
+"""One GPU: seconds per GRPO step of our colocated loop vs TRL's GRPOTrainer with vLLM in colocate
+mode, in one run, with the same model shape, prompts, samples per prompt, completion length and
+optimizer settings; and each side's trainer/sampler logprob gap.
+
+    python benchmarks/gpu_vs_trl.py --out benchmarks/results/gpu_vs_trl_h200.json
+
+Model: the random-weight Qwen3-0.6B shape in bf16 (colocate_rl.models.tiny), both sides loading
+the same folder. Prompts: the arithmetic train set; 64 prompts x 8 samples, up to 256 tokens,
+temperature 1. Optimizer: Adam lr 1e-6, constant, grad clip 1.0, clip 0.2/0.28, no KL, one step per
+batch, token-mean loss. Both sides sleep vLLM at level 2 while training and wake weights before KV
+cache. Ours: Megatron actor, bf16 params with fp32 main params. TRL: fp32 weights under bf16 autocast
+(its mixed precision), vllm_enable_sleep_mode=True. Each side runs in its own process, one after the
+other; the first step of each is warm-up and not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = Path(__file__).with_name("_trl_runner.py")
+
+
+def our_overrides(args, path: Path, root: Path) -> list[str]:
+    return [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
+            "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
+            f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={args.steps + 1}",
+            f"rollout.gpu_memory_utilization={args.gpu_mem}", f"actor.lr={args.lr}",
+            f"actor.micro_batch_size={args.micro}", "placement.gpus_per_node=1", "placement.launcher=local",
+            "logging.wandb_mode=disabled", "logging.progress=false", f"logging.run_dir={root / 'bench'}",
+            "logging.run_name=gpu_vs_trl", "eval.every=0"]
+
+
+def ours_job(args, path: Path, root: Path, out: Path) -> None:
+    """Our colocated steps, timed one by one (the loop's own per-phase times come along)."""
+    from colocate_rl import loop
+    from colocate_rl.config import Config, ModelConfig, load
+    from colocate_rl.session import start_session
+
+    cfg = load(Config(model=ModelConfig(path=str(path))), overrides=our_overrides(args, path, root))
+    s = start_session(cfg)
+    steps = []
+    try:
+        for _ in range(args.steps + 1):
+            t = time.perf_counter()
+            m = loop.colocated_step(s, cfg)
+            steps.append({"wall": time.perf_counter() - t, "lp_diff": m["train_rollout_logprob_abs_diff"],
+                          "response_len": m["rollout/response_len"],
+                          **{k[5:]: v for k, v in m.items() if k.startswith("time/")}})
+            s.step += 1
+            print(f"ours step {len(steps) - 1}: {steps[-1]['wall']:.2f}s lp diff {steps[-1]['lp_diff']:.4f}",
+                  flush=True)
+        ids = [list(x.prompt_ids) for x in s.train_samples[:8]]
+    finally:
+        s.close()
+    out.write_text(json.dumps({"steps": steps, "train_ids": ids}))
+
+
+def child(cmd: list[str], what: str) -> dict:
+    print(f"[{what}] {' '.join(cmd[1:3])} ...", flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed (exit {proc.returncode})")
+    out = json.loads(Path(cmd[-1]).read_text())
+    print(f"[{what}] done in {time.perf_counter() - t:.0f}s", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up step")
+    ap.add_argument("--micro", type=int, default=16, help="completions per forward/backward, both sides")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    from colocate_rl.config import ArithmeticConfig
+    from colocate_rl.data.arithmetic import arithmetic_problems
+    from colocate_rl.models.tiny import ensure_model
+
+    root = Path(os.environ.get("COLOCATE_RL_CACHE", ".cache"))
+    path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
+    if args.job:
+        return ours_job(args, path, root, args.job)
+    work = root / "gpu_vs_trl"
+    work.mkdir(parents=True, exist_ok=True)
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("out", "job")]
+    ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
+
+    spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,
+            "grad_clip": 1.0, "eps_low": 0.2, "eps_high": 0.28, "budget_s": 0, "eval_every_s": 0, "eval": [],
+            "eval_max_tokens": 4, "force_length": False, "out_dir": str(work / "trl-trainer"),
+            "train": arithmetic_problems(ArithmeticConfig(), "train"), "train_prompt_ids": ours["train_ids"],
+            "prompts_per_step": args.prompts, "max_tokens": args.tokens, "max_steps": args.steps + 1, "gpu": True,
+            "micro_batch": args.micro, "vllm_gpu_memory_utilization": args.gpu_mem,
+            "max_model_len": 32 + args.tokens}
+    (work / "trl.spec.json").write_text(json.dumps(spec))
+    trl = child([sys.executable, str(RUNNER), str(work / "trl.spec.json"), str(work / "trl.json")], "trl")
+
+    timed = ours["steps"][1:]
+    trl_steps = trl["step_s"][1:]
+    trl_logs = [lg for lg in trl["logs"] if "sampling/sampling_logp_difference/mean" in lg][1:]
+    ours_s, trl_s = statistics.median(x["wall"] for x in timed), statistics.median(trl_steps)
+    import torch
+    import vllm
+
+    result = {
+        "benchmark": "gpu_vs_trl",
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
+                    "trl": trl["versions"]["trl"], "transformers": trl["versions"]["transformers"],
+                    "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "job")},
+        "ours_s_per_step": ours_s,
+        "trl_s_per_step": trl_s,
+        "step_s_vs_trl": trl_s / ours_s,
+        "ours_logprob_abs_diff_mean": statistics.fmean(x["lp_diff"] for x in timed),
+        "trl_logprob_abs_diff_mean": statistics.fmean(lg["sampling/sampling_logp_difference/mean"]
+                                                      for lg in trl_logs) if trl_logs else None,
+        "ours_response_len": statistics.fmean(x["response_len"] for x in timed),
+        "trl_response_len": statistics.fmean(lg["completions/mean_length"] for lg in trl_logs) if trl_logs else None,
+        "ours_phase_s": {k: statistics.median(x[k] for x in timed) for k in timed[0]
+                         if k not in ("wall", "lp_diff", "response_len")},
+        "trl_phase_s": {k: statistics.median(v[1:]) for k, v in trl["phases"].items()},
+        "ours_steps_s": [x["wall"] for x in ours["steps"]],
+        "trl_steps_s": trl["step_s"],
+        "trl_startup_s": trl["startup_s"],
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
