@@ -3,13 +3,14 @@
 Colocated step (docs/architecture.md; the staged wake keeps the peak below the card):
     rollout   generate n samples per prompt with logprobs → sleep (vLLM frees the GPU)
     reward    score → group-relative advantages
-    actor     onload → re-score logprobs → train → offload grads + optimizer
+    actor     onload → train → offload grads + optimizer (old logprobs come from the training
+              forward itself; a separate re-scoring pass only with actor.num_minibatches > 1)
     sync      wake vLLM weights → send the new weights over IPC → offload actor params → wake KV cache
 
 Disaggregated step (actor and engines on their own GPUs, placement/disaggregated.py):
     rollout   take the step's batch from the rollout buffer (the router spread it over the engines)
     reward    score → group-relative advantages
-    actor     re-score logprobs → train
+    actor     train (re-scoring first only with actor.num_minibatches > 1)
     sync      engines idle → broadcast the new weights to every engine
 With rollout.off_policy the next step's generation is requested before training instead of after
 the sync, so it runs on the previous weights while this step trains (one step stale).
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from colocate_rl import config as C
-from colocate_rl.algorithms import ADVANTAGES, logprob_abs_diff
+from colocate_rl.algorithms import ADVANTAGES
 from colocate_rl.config import Config
 from colocate_rl.memory import Handoff, Phase
 from colocate_rl.metrics import PhaseTimer, console_line
@@ -50,22 +51,31 @@ def run_colocated(cfg: Config) -> dict:
                 s.log.log(0, s.evaluate())
             bar = tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
                        total=cfg.steps)
-            for step in bar:
+            for _ in bar:
                 metrics = colocated_step(s, cfg)
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                    metrics.update(s.evaluate())
-                s.step = step + 1
-                s.log.log(s.step, metrics)
-                tqdm.write(console_line(s.step, cfg.steps, metrics))
-                s.check_update(metrics)  # stops after actor.max_nonfinite_in_row skipped updates
-                if s.checkpoint_due() or (interrupt.requested and cfg.checkpoint.on_interrupt):
-                    with_actor(s, s.save_checkpoint)
-                if interrupt.requested:
-                    tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+                if end_step(s, metrics, interrupt.requested, save=lambda: with_actor(s, s.save_checkpoint)):
                     break
         return s.finish()
     finally:
         s.close()
+
+
+def end_step(s: Session, metrics: dict, interrupted: bool, save: Callable[[], None]) -> bool:
+    """After a step: eval when due, the metrics row and console line, the stop after
+    actor.max_nonfinite_in_row skipped updates, a checkpoint when due or on Ctrl-C.
+    Returns True when the run should stop (Ctrl-C)."""
+    cfg = s.cfg
+    if cfg.eval.every and (s.step + 1) % cfg.eval.every == 0:
+        metrics.update(s.evaluate())  # before the count moves: eval sampling is seeded by the step
+    s.step += 1
+    s.log.log(s.step, metrics)
+    tqdm.write(console_line(s.step, cfg.steps, metrics))
+    s.check_update(metrics)
+    if s.checkpoint_due() or (interrupted and cfg.checkpoint.on_interrupt):
+        save()
+    if interrupted:
+        tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+    return interrupted
 
 
 def colocated_step(s: Session, cfg: Config) -> dict:
@@ -82,17 +92,14 @@ def colocated_step(s: Session, cfg: Config) -> dict:
     with t("onload"):
         onload_bytes, onload_s = s.actor.onload()
         s.handoff.to(Phase.ACTOR)
-    with t("logprobs"):
-        old_logprobs = s.actor.compute_logprobs(batch)
     with t("train"):
-        train_metrics = s.actor.train_step(batch, old_logprobs)
+        train_metrics = s.actor.train_step(batch, old_logprobs(s, batch, t))
     sync, offload_bytes, offload_s = hand_back_to_rollout(s, t)
     gen_tokens = int(batch.response_lens.sum())
     return {
         "reward/mean": float(batch.rewards.mean()),
         **reward_metrics,
-        "train_rollout_logprob_abs_diff": logprob_abs_diff(old_logprobs, batch.rollout_logprobs, batch.loss_mask),
-        **train_metrics,
+        **train_metrics,  # train_rollout_logprob_abs_diff among them
         "rollout/response_len": float(batch.response_lens.float().mean()),
         "rollout/truncated": float(batch.truncated.float().mean()),
         "rollout/engine_restarts": restarts,
@@ -105,6 +112,16 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         **t.metrics(),
         "time/step": sum(t.seconds.values()),
     }
+
+
+def old_logprobs(s: Session, batch: RolloutBatch, t: PhaseTimer):
+    """The actor's logprobs of the batch before this step's update: a forward pass of their own
+    only when the batch makes several optimizer steps. With one (the default), the training
+    forward's logprobs are exactly these and train_step takes them from there (None)."""
+    if s.cfg.actor.num_minibatches == 1:
+        return None
+    with t("logprobs"):
+        return s.actor.compute_logprobs(batch)
 
 
 def generate(s: Session, prompts: list) -> tuple[RolloutBatch, int]:
@@ -225,16 +242,7 @@ def run_disaggregated(cfg: Config) -> dict:
             for step in tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress,
                              initial=s.step, total=cfg.steps):
                 metrics = disaggregated_step(s, cfg, last=interrupt.requested or step + 1 == cfg.steps)
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                    metrics.update(s.evaluate())
-                s.step = step + 1
-                s.log.log(s.step, metrics)
-                tqdm.write(console_line(s.step, cfg.steps, metrics))
-                s.check_update(metrics)
-                if s.checkpoint_due() or (interrupt.requested and cfg.checkpoint.on_interrupt):
-                    s.save_checkpoint()
-                if interrupt.requested:
-                    tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+                if end_step(s, metrics, interrupt.requested, save=s.save_checkpoint):
                     break
         return s.finish()
     finally:
@@ -253,10 +261,8 @@ def disaggregated_step(s: Session, cfg: Config, last: bool = False) -> dict:
         batch.rewards, reward_metrics = s.scorer.score(batch)
         batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group,
                                                                cfg.algorithm.adv_eps)
-    with t("logprobs"):
-        old_logprobs = s.actor.compute_logprobs(batch)
     with t("train"):  # the token IS correction weights stale samples by actor / sampler probability
-        train_metrics = s.actor.train_step(batch, old_logprobs)
+        train_metrics = s.actor.train_step(batch, old_logprobs(s, batch, t))
     with t("wait_rollout"):
         w.buffer.drain()  # a sync waits for the engines to finish generating
     with t("sync"):
@@ -266,8 +272,7 @@ def disaggregated_step(s: Session, cfg: Config, last: bool = False) -> dict:
     return {
         "reward/mean": float(batch.rewards.mean()),
         **reward_metrics,
-        "train_rollout_logprob_abs_diff": logprob_abs_diff(old_logprobs, batch.rollout_logprobs, batch.loss_mask),
-        **train_metrics,
+        **train_metrics,  # train_rollout_logprob_abs_diff among them
         "rollout/staleness": staleness,
         **got.metrics,  # rollout/engine_restarts, rollout/reissued_prompts
         "rollout/response_len": float(batch.response_lens.float().mean()),

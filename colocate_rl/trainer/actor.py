@@ -199,15 +199,20 @@ class Actor:
 
     # ------------------------------------------------------------ training
 
-    def train_step(self, batch: RolloutBatch, old_logprobs: torch.Tensor,
+    def train_step(self, batch: RolloutBatch, old_logprobs: Optional[torch.Tensor] = None,
                    ref_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """GRPO: ``actor.num_minibatches`` optimizer steps over ``batch``. old_logprobs [B, T] (the
-        actor's, before this call), ref_logprobs [B, T] only when algorithm.kl_coef > 0.
-        Returns metrics averaged over the optimizer steps: loss, grad_norm, lr, the loss's own metrics,
-        tokens and tokens_per_s."""
+        """GRPO: ``actor.num_minibatches`` optimizer steps over ``batch``. old_logprobs [B, T]: the
+        actor's before this call (compute_logprobs); None with one optimizer step, where the training
+        forward's own logprobs, detached, are exactly those (no weight has changed yet when each
+        micro-batch runs), which saves a forward pass over the batch. ref_logprobs [B, T] only when
+        algorithm.kl_coef > 0. Returns metrics averaged over the optimizer steps: loss, grad_norm, lr,
+        the loss's own metrics (train_rollout_logprob_abs_diff among them), tokens and tokens_per_s."""
         if batch.advantages is None:
             raise ValueError("RolloutBatch.advantages is None: compute advantages before train_step")
-        if old_logprobs.shape != batch.tokens.shape:
+        if old_logprobs is None and self.cfg.actor.num_minibatches > 1:
+            raise ValueError(f"actor.num_minibatches={self.cfg.actor.num_minibatches}: every optimizer step after "
+                             "the first needs old_logprobs from before the first (compute_logprobs)")
+        if old_logprobs is not None and old_logprobs.shape != batch.tokens.shape:
             raise ValueError(
                 f"old_logprobs has shape {tuple(old_logprobs.shape)}, expected {tuple(batch.tokens.shape)}")
         alg, temperature, dev = self.cfg.algorithm, self.cfg.rollout.temperature, self.device
@@ -216,14 +221,15 @@ class Actor:
             mb, old, ref = item
             lp = token_logprobs(output, tokens, temperature)
             loss, metrics = policy_loss(
-                lp, old.to(dev), mb.rollout_logprobs.to(dev), mb.advantages.to(dev), mb.loss_mask.to(dev), alg,
-                ref_logprobs=None if ref is None else ref.to(dev), **counts,
+                lp, lp.detach() if old is None else old.to(dev), mb.rollout_logprobs.to(dev), mb.advantages.to(dev),
+                mb.loss_mask.to(dev), alg, ref_logprobs=None if ref is None else ref.to(dev), **counts,
             )
             return loss, metrics
 
         def item(mb: RolloutBatch, rows: torch.Tensor):
             t = mb.tokens.shape[1]
-            return (mb, old_logprobs[rows, :t], None if ref_logprobs is None else ref_logprobs[rows, :t])
+            return (mb, None if old_logprobs is None else old_logprobs[rows, :t],
+                    None if ref_logprobs is None else ref_logprobs[rows, :t])
 
         return self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
 

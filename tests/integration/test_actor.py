@@ -89,6 +89,27 @@ def test_grpo_steps_raise_positive_and_lower_negative_tokens(tiny_model):
     assert (moved[adv > 0] > 0.05).all() and (moved[adv < 0] < -0.05).all(), moved
 
 
+def test_one_step_takes_old_logprobs_from_its_own_forward(tiny_model):
+    """train_step(batch, None) with one optimizer step: the same update and metrics as re-scoring
+    the batch first (compute_logprobs), one forward pass fewer."""
+    path = tiny_model("qwen3-tiny")
+    batch = make_batch()
+    actor = make_actor(path)
+    old = actor.compute_logprobs(batch)
+    batch.rollout_logprobs = torch.where(batch.loss_mask, old - 0.01, 0)  # the sampler 0.01 off
+    m1 = actor.train_step(batch, old)
+    w1 = {n: t.clone() for n, t in actor.export_hf_weights()}
+    actor = make_actor(path)
+    m2 = actor.train_step(batch, None)
+    w2 = {n: t.clone() for n, t in actor.export_hf_weights()}
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    for key in ("loss", "grad_norm", "train_rollout_logprob_abs_diff", "is_weight_mean", "clip_frac"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-6, abs=1e-9), key
+    assert m2["train_rollout_logprob_abs_diff"] == pytest.approx(0.01, rel=1e-3)
+    with pytest.raises(ValueError, match="actor.num_minibatches=2: every optimizer step after the first"):
+        make_actor(path, num_minibatches=2).train_step(batch, None)
+
+
 def test_first_step_loss_is_the_full_batch_token_mean(tiny_model):
     """Ratio 1 on the first step: loss = -mean over all loss tokens of the row's advantage, however
     the rows are cut into micro-batches (the normaliser is the mini-batch's)."""
