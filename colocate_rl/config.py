@@ -8,11 +8,12 @@ message names the field, so a bad run stops before any engine starts.
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -254,6 +255,23 @@ def load(base: Config | None = None, files: list[str] = (), overrides: list[str]
     cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
     validate(cfg)
     return cfg
+
+
+def import_function(spec: str, what: str) -> Callable:
+    """A config value naming code, ``"pkg.module:function"`` → the function. ``what`` names the
+    field and value in the one-line ValueError raised otherwise."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{what} must be 'pkg.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import '{module}' ({e})") from None
+    except AttributeError:
+        raise ValueError(f"{what}: module '{module}' has no '{attr}'") from None
+    if not callable(fn):
+        raise ValueError(f"{what}: '{attr}' is not a function")
+    return fn
 
 
 def split_cli(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -7,9 +7,10 @@ registered ``inline=True``: cheap, pure-Python scorers that cannot hang.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
+
+from colocate_rl.config import import_function
 
 RewardFn = Callable[[str, str], float]
 
@@ -45,18 +46,12 @@ def get_reward(spec: str | RewardFn) -> Reward:
         return Reward(spec, False, getattr(spec, "__qualname__", repr(spec)))
     if spec in REWARDS:
         return REWARDS[spec]
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
+    if ":" not in spec:
         raise ValueError(f"unknown reward '{spec}': {_choices()}")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ValueError(f"reward '{spec}': cannot import '{module}' ({e}); {_choices()}") from None
-    except AttributeError:
-        raise ValueError(f"reward '{spec}': module '{module}' has no '{attr}'; {_choices()}") from None
-    if not callable(fn):
-        raise ValueError(f"reward '{spec}': '{attr}' is not a function; {_choices()}")
-    return Reward(fn, False, spec)
+        return Reward(import_function(spec, f"reward '{spec}'"), False, spec)
+    except ValueError as e:
+        raise ValueError(f"{e}; {_choices()}") from None
 
 
 def get_reward_fn(spec: str | RewardFn) -> RewardFn:

@@ -18,13 +18,13 @@ and must return a RolloutBatch of whole groups (RolloutBatch.concat joins severa
 
 from __future__ import annotations
 
-import importlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from colocate_rl.config import import_function
 from colocate_rl.types import RolloutBatch, Sample
 
 Generate = Callable[..., RolloutBatch]
@@ -33,18 +33,7 @@ RolloutFn = Callable[[list[Sample], Generate], RolloutBatch]
 
 def load_rollout_fn(spec: str) -> RolloutFn:
     """``"pkg.module:function"`` → the function; ValueError naming rollout.custom_fn otherwise."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"rollout.custom_fn={spec!r} must be 'pkg.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ValueError(f"rollout.custom_fn={spec!r}: cannot import '{module}' ({e})") from None
-    except AttributeError:
-        raise ValueError(f"rollout.custom_fn={spec!r}: module '{module}' has no '{attr}'") from None
-    if not callable(fn):
-        raise ValueError(f"rollout.custom_fn={spec!r}: '{attr}' is not a function")
-    return fn
+    return import_function(spec, f"rollout.custom_fn={spec!r}")
 
 
 @dataclass
