@@ -1,7 +1,12 @@
 """Train/rollout logprob gap of a small DeepSeek-V4: vLLM (which has DeepSeek-V4 on GPU) samples
 with logprobs, the Megatron actor re-scores the same tokens, both in bf16 on one GPU.
 
-    python benchmarks/dsv4_parity_gpu.py OUT.json [--weights auto|bf16|fp8] [--kv-cache-dtype auto]
+    python benchmarks/dsv4_parity_gpu.py OUT.json [--weights auto|bf16|fp8] [--kv-cache-dtype fp8]
+
+vLLM 0.26's DeepSeek-V4 on NVIDIA needs more than vLLM's own packages: `compressed-tensors` and
+`loguru` (imported on load), an FP8 KV cache (its fp8_ds_mla cache layout), and tilelang for the
+mHC kernels, whose JIT calls nvcc (scripts/dsv4_gpu_wheels.sh gathers tilelang and the CUDA
+compiler wheels; set CUDA_HOME to their nvidia/cu13). DeepGEMM ships inside vLLM.
 
 Self-contained: writes a random-weight DeepSeek-V4 in the official format into a temp folder. Its
 attention keeps the released per-head sizes (head_dim 512, rope 64, index_head_dim 128, 64 heads,

@@ -136,7 +136,7 @@ def main() -> None:
         "ours_phase_s": {k: statistics.median(x[k] for x in timed) for k in timed[0]
                          if k not in ("wall", "lp_diff", "response_len")},
         "trl_phase_s": {k: statistics.median(v[1:]) for k, v in trl["phases"].items()},
-        "ours_steps_s": [x["wall"] for x in ours["steps"]],
+        "ours_steps": ours["steps"],  # every step's wall time, phases and lp diff (the first is warm-up)
         "trl_steps_s": trl["step_s"],
         "trl_startup_s": trl["startup_s"],
     }

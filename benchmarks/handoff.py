@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="write a cProfile of the last step (and of both rollouts) here")
     args = ap.parse_args()
@@ -80,7 +81,7 @@ def main() -> None:
     over = [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
             "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
             f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={args.steps + 1}",
-            f"rollout.gpu_memory_utilization={args.gpu_mem}", "actor.lr=1e-6", "actor.micro_batch_size=8",
+            f"rollout.gpu_memory_utilization={args.gpu_mem}", "actor.lr=1e-6", f"actor.micro_batch_size={args.micro}",
             "placement.gpus_per_node=1", "placement.launcher=local", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=handoff",
             "rollout.verify_sync_every=1"]
