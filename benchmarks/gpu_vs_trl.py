@@ -36,7 +36,7 @@ def our_overrides(args, path: Path, root: Path) -> list[str]:
             f"rollout.gpu_memory_utilization={args.gpu_mem}", f"actor.lr={args.lr}",
             f"actor.micro_batch_size={args.micro}", "placement.gpus_per_node=1", "placement.launcher=local",
             "logging.wandb_mode=disabled", "logging.progress=false", f"logging.run_dir={root / 'bench'}",
-            "logging.run_name=gpu_vs_trl", "eval.every=0"]
+            "logging.run_name=gpu_vs_trl", "eval.every=0", f"actor.fp32_residual={str(args.fp32_residual).lower()}"]
 
 
 def ours_job(args, path: Path, root: Path, out: Path) -> None:
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up step")
     ap.add_argument("--micro", type=int, default=16, help="completions per forward/backward, both sides")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--fp32-residual", action="store_true", help="our actor.fp32_residual=true")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
@@ -99,7 +100,8 @@ def main() -> None:
         return ours_job(args, path, root, args.job)
     work = root / "gpu_vs_trl"
     work.mkdir(parents=True, exist_ok=True)
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("out", "job")]
+    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+            if k not in ("out", "job") and v is not False]
     ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
 
     spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,

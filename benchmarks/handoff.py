@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
+    ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="write a cProfile of the last step (and of both rollouts) here")
     args = ap.parse_args()
@@ -84,7 +85,7 @@ def main() -> None:
             f"rollout.gpu_memory_utilization={args.gpu_mem}", "actor.lr=1e-6", f"actor.micro_batch_size={args.micro}",
             "placement.gpus_per_node=1", "placement.launcher=local", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=handoff",
-            "rollout.verify_sync_every=1"]
+            "rollout.verify_sync_every=1", f"actor.fp32_residual={str(args.fp32_residual).lower()}"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)
     free_total = torch.cuda.mem_get_info

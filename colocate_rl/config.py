@@ -90,6 +90,11 @@ class ActorConfig:
     distributed_optimizer: bool = False
     offload: bool = True  # colocated: move params/grads/optimizer to host while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
+    # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
+    # precision over fp32 weights does. On a 16-layer model on CPU it cut the actor's own bf16
+    # rounding by a quarter and its logprob gap to vLLM by 15% (benchmarks/results/lp_gap_cpu.json);
+    # off until measured on GPUs, where vLLM's kernels round differently.
+    fp32_residual: bool = False
     max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
 
 

@@ -3,7 +3,9 @@
 Megatron's local spec uses torch.nn.RMSNorm with an fp32 weight (it ignores params_dtype), so in
 bf16 the norm weights become fp32 parameters and the scaling happens before the rounding. HF
 normalises in fp32, rounds to the input dtype, then multiplies by a weight in the model dtype;
-matching that order keeps the actor's bf16 logprobs close to the rollout engine's.
+matching that order keeps the actor's bf16 logprobs close to the rollout engine's. The rounding
+goes to the weight's dtype, which is the input's unless actor.fp32_residual keeps the residual
+stream (the input here) in fp32 while the linears after the norm stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -23,4 +25,4 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(self.weight.dtype)

@@ -82,6 +82,7 @@ class Actor:
             use_cpu_initialization=not platform.has_gpu(),
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
+            fp32_residual_connection=a.fp32_residual,
             **recompute,
         )
         module = build_model(self.family, self.hf_config, self.model_config)

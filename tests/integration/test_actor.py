@@ -89,6 +89,21 @@ def test_grpo_steps_raise_positive_and_lower_negative_tokens(tiny_model):
     assert (moved[adv > 0] > 0.05).all() and (moved[adv < 0] < -0.05).all(), moved
 
 
+def test_fp32_residual_rounds_less_in_bf16(tiny_model):
+    """actor.fp32_residual keeps the residual stream in fp32: bf16 logprobs move toward the fp32
+    model's, and a GRPO step still runs."""
+    path = tiny_model("qwen3-small")
+    batch = make_batch()
+    m = batch.loss_mask
+    ref = make_actor(path).compute_logprobs(batch)
+    plain = make_actor(path, dtype="bfloat16").compute_logprobs(batch)
+    actor = make_actor(path, dtype="bfloat16", fp32_residual=True)
+    wide = actor.compute_logprobs(batch)
+    err = {k: float((lp - ref)[m].abs().mean()) for k, lp in (("plain", plain), ("wide", wide))}
+    assert 0 < err["wide"] < err["plain"], err
+    assert actor.train_step(batch, None)["grad_norm"] > 0
+
+
 def test_one_step_takes_old_logprobs_from_its_own_forward(tiny_model):
     """train_step(batch, None) with one optimizer step: the same update and metrics as re-scoring
     the batch first (compute_logprobs), one forward pass fewer."""

@@ -35,6 +35,8 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     h = Hparams.from_official(hf)
+    if runtime.pop("fp32_residual_connection", False):
+        raise ValueError("actor.fp32_residual is not supported for deepseek_v4 (its residual is the mHC streams)")
     if h.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
         raise ValueError(f"scoring_func={h.scoring_func!r} is not supported for deepseek_v4")
     return TransformerConfig(
