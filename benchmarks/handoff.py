@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
     ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
     ap.add_argument("--out", default="")
-    ap.add_argument("--profile", default="", help="write a cProfile of the last step (and of both rollouts) here")
+    ap.add_argument("--profile", default="", help="write cProfiles of one extra, untimed step and of both rollouts here")
     args = ap.parse_args()
 
     from colocate_rl import loop
@@ -106,7 +106,7 @@ def main() -> None:
             s.step += 1
             dump(prof, args.profile, "one colocated step (under cProfile: slower than the timed steps)")
         # Bare vLLM on the same prompts and sampling, for the throughput ratio: alternated with ours
-        # (twice each, the better of each pair) so neither side profits from running second.
+        # (twice each, the better run of each) so neither side profits from running second.
         samples = s.sampler.next_batch()
         from vllm import SamplingParams
 
