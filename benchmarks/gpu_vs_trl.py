@@ -25,18 +25,16 @@ import sys
 import time
 from pathlib import Path
 
+from _loop_overrides import loop_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("_trl_runner.py")
 
 
 def our_overrides(args, path: Path, root: Path) -> list[str]:
-    return [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
-            "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
-            f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={args.steps + 1}",
-            f"rollout.gpu_memory_utilization={args.gpu_mem}", f"actor.lr={args.lr}",
-            f"actor.micro_batch_size={args.micro}", "placement.gpus_per_node=1", "placement.launcher=local",
-            "logging.wandb_mode=disabled", "logging.progress=false", f"logging.run_dir={root / 'bench'}",
-            "logging.run_name=gpu_vs_trl", "eval.every=0", f"actor.fp32_residual={str(args.fp32_residual).lower()}"]
+    return [*loop_overrides(path, root, "gpu_vs_trl", prompts=args.prompts, n=args.n, tokens=args.tokens,
+                            micro=args.micro, lr=args.lr, fp32_residual=args.fp32_residual),
+            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "eval.every=0"]
 
 
 def ours_job(args, path: Path, root: Path, out: Path) -> None:

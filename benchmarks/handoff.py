@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from _loop_overrides import loop_overrides
+
 GiB = 2**30
 
 
@@ -66,7 +68,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
     ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
     ap.add_argument("--out", default="")
-    ap.add_argument("--profile", default="", help="write cProfiles of one extra, untimed step and of both rollouts here")
+    ap.add_argument("--profile", default="",
+                    help="write cProfiles of one extra, untimed step and of both rollouts here")
     args = ap.parse_args()
 
     from colocate_rl import loop
@@ -79,13 +82,9 @@ def main() -> None:
     print("card limits:", json.dumps({k: round(v, 1) for k, v in limits.items()}), flush=True)
     root = Path(os.environ.get("COLOCATE_RL_CACHE", ".cache"))
     path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
-    over = [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
-            "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
-            f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={args.steps + 1}",
-            f"rollout.gpu_memory_utilization={args.gpu_mem}", "actor.lr=1e-6", f"actor.micro_batch_size={args.micro}",
-            "placement.gpus_per_node=1", "placement.launcher=local", "logging.wandb_mode=disabled",
-            "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=handoff",
-            "rollout.verify_sync_every=1", f"actor.fp32_residual={str(args.fp32_residual).lower()}"]
+    over = [*loop_overrides(path, root, "handoff", prompts=args.prompts, n=args.n, tokens=args.tokens,
+                            micro=args.micro, fp32_residual=args.fp32_residual),
+            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "rollout.verify_sync_every=1"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)
     free_total = torch.cuda.mem_get_info

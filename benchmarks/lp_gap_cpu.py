@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _loop_overrides import loop_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = Path(__file__).with_name("results") / "lp_gap_cpu.json"
 
@@ -37,12 +39,8 @@ def job(fp32_residual: bool, steps: int, out: Path) -> None:
 
     root = Path(os.environ.get("COLOCATE_RL_CACHE", ROOT / ".cache"))
     path = ensure_model("qwen3-deep", root / "models" / "qwen3-deep")
-    over = [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
-            "data.max_prompt_tokens=32", "data.prompts_per_step=16", "reward.name=arithmetic", "rollout.n=4",
-            "rollout.max_response_tokens=48", "actor.lr=1e-6", "actor.micro_batch_size=16",
-            "placement.gpus_per_node=0", "placement.launcher=local", "logging.wandb_mode=disabled",
-            "logging.progress=false", "eval.every=0", "checkpoint.at_end=false", f"logging.run_dir={root / 'bench'}",
-            f"logging.run_name=lp_gap_{fp32_residual}", f"actor.fp32_residual={str(fp32_residual).lower()}"]
+    over = [*loop_overrides(path, root, f"lp_gap_{fp32_residual}", prompts=16, n=4, tokens=48, micro=16, gpus=0,
+                            fp32_residual=fp32_residual), "eval.every=0", "checkpoint.at_end=false"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)
     try:
@@ -94,7 +92,8 @@ def main() -> None:
                                     "fp32_residual": runs["true"]["actor_bf16_vs_fp32_mean"]},
         "tokens_in_fp32_comparison": runs["false"]["tokens"],
     }
-    result["gap_ratio_fp32_over_bf16_residual"] = result["gap_mean"]["fp32_residual"] / result["gap_mean"]["bf16_residual"]
+    gap = result["gap_mean"]
+    result["gap_ratio_fp32_over_bf16_residual"] = gap["fp32_residual"] / gap["bf16_residual"]
     print(json.dumps(result, indent=1))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
