@@ -2,6 +2,8 @@
 
     python benchmarks/actor_step.py                                  # Qwen3-shaped, 4 layers, hidden 512
     python benchmarks/actor_step.py --hidden 1024 --layers 8 --rows 32 --seq 512 --dtype bfloat16
+    python benchmarks/actor_step.py --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 \
+        --inter 3072 --vocab 151936 --rows 128 --seq 320 --micro-batch 16 --dtype bfloat16 --profile P.txt
 
 Our path: the Megatron actor (colocate_rl.trainer.Actor) at TP=PP=EP=1, one process. Baselines, in
 the same run and on the same weights and micro-batches:
@@ -35,7 +37,7 @@ def build_model(out: Path, a) -> Path:
     config = AutoConfig.for_model(
         "qwen3", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.inter or 3 * a.hidden,
         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-        head_dim=a.hidden // a.heads, max_position_embeddings=max(a.seq, 512), rms_norm_eps=1e-6,
+        head_dim=a.head_dim or a.hidden // a.heads, max_position_embeddings=max(a.seq, 512), rms_norm_eps=1e-6,
         tie_word_embeddings=False, dtype=a.dtype,
     )
     torch.manual_seed(0)
@@ -129,6 +131,29 @@ def memcpy_fns(nbytes: int, dev):
     return (lambda: host.copy_(src, non_blocking=pin)), (lambda: src.copy_(host, non_blocking=pin))
 
 
+def write_profile(path: Path, fns: dict) -> None:
+    """torch.profiler over one call of each fn: the busy share of the device and the top operators by
+    device time and by host time, so launch-bound (host) and kernel-bound (device) steps tell apart."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with path.open("w") as f:
+        for name, fn in fns.items():
+            _sync()
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                fn()
+                _sync()
+            wall = time.perf_counter() - t0
+            ev = prof.key_averages()
+            dev_s = sum(e.self_device_time_total for e in ev) / 1e6
+            f.write(f"==== {name}: {wall:.3f} s wall (profiled), device busy {dev_s:.3f} s "
+                    f"({dev_s / wall:.0%}), {sum(e.count for e in ev if e.device_type.name == 'CUDA')} kernels\n")
+            for key in (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
+                f.write(ev.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n")
+    print(f"wrote {path}")
+
+
 def machine_info() -> dict:
     cpu, mem_kb = "", 0
     try:
@@ -157,6 +182,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=0, help="default hidden / heads")
     p.add_argument("--inter", type=int, default=0, help="MLP size (default 3 x hidden)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--rows", type=int, default=8, help="sequences per train step")
@@ -165,6 +191,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default="")
+    p.add_argument("--profile", default="", help="also write torch.profiler tables of one train step per side here")
     a = p.parse_args()
 
     from colocate_rl import platform
@@ -194,6 +221,8 @@ def main() -> None:
             for k, fn in fns.items():
                 runs[k].append(seconds(fn))
         t = {k: sorted(v)[a.repeat // 2] for k, v in runs.items()}
+        if a.profile:
+            write_profile(Path(a.profile), {"ours (Megatron actor)": fns["ours_train"], "transformers": hf_train})
         nbytes, _ = actor.offload()  # the first cycle allocates the host buffers
         actor.onload()
         d2h, h2d = memcpy_fns(nbytes, dev)

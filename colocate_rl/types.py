@@ -122,6 +122,11 @@ class RolloutBatch:
             out[f.name] = v
         return replace(self, **out)
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The same rows with every tensor on ``device`` (lists stay on the host)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
     @staticmethod
     def concat(batches: list["RolloutBatch"], pad_id: int = 0) -> "RolloutBatch":
         """Join batches row-wise (e.g. the outputs of several engines), re-padding to one T.

@@ -137,7 +137,7 @@ class Actor:
     def _forward_step(self, loss_fn: Callable, data_iterator, model):
         """Megatron forward_step_func: one micro-batch → (output, loss_func bound to it)."""
         item = next(data_iterator)
-        tokens = item[0].tokens.to(self.device, non_blocking=True)
+        tokens = item[0].tokens
         b, t = tokens.shape
         positions = torch.arange(t, device=self.device).expand(b, t)
         output = model(tokens, positions, None)  # last stage: logits [b, t, V/tp]; else hidden states
@@ -180,7 +180,7 @@ class Actor:
         b, t = batch.tokens.shape
         lengths = batch.attention_mask.sum(1)
         mine = rank_micro_batches(torch.arange(b), lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
-        items = [(batch.select(rows), rows) for rows in mine]
+        items = [(batch.select(rows).to(self.device), rows) for rows in mine]
         temperature = self.cfg.rollout.temperature
 
         def logprobs_of(item, tokens, output, non_loss_data=False):
@@ -222,15 +222,15 @@ class Actor:
             mb, old, ref = item
             lp = token_logprobs(output, tokens, temperature)
             loss, metrics = policy_loss(
-                lp, lp.detach() if old is None else old.to(dev), mb.rollout_logprobs.to(dev), mb.advantages.to(dev),
-                mb.loss_mask.to(dev), alg, ref_logprobs=None if ref is None else ref.to(dev), **counts,
+                lp, lp.detach() if old is None else old, mb.rollout_logprobs, mb.advantages, mb.loss_mask, alg,
+                ref_logprobs=ref, **counts,
             )
             return loss, metrics
 
         def item(mb: RolloutBatch, rows: torch.Tensor):
             t = mb.tokens.shape[1]
-            return (mb, None if old_logprobs is None else old_logprobs[rows, :t],
-                    None if ref_logprobs is None else ref_logprobs[rows, :t])
+            return (mb, None if old_logprobs is None else old_logprobs[rows, :t].to(dev),
+                    None if ref_logprobs is None else ref_logprobs[rows, :t].to(dev))
 
         return self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
 
@@ -241,8 +241,7 @@ class Actor:
         def nll_loss(counts, item, tokens, output):
             mb = item[0]
             lp = token_logprobs(output, tokens)
-            mask = mb.loss_mask.to(self.device)
-            loss = -torch.where(mask, lp, 0).sum() / max(counts["global_token_count"], 1)
+            loss = -torch.where(mb.loss_mask, lp, 0).sum() / max(counts["global_token_count"], 1)
             return loss, {}
 
         saved = [g["lr"] for g in self.optimizer.param_groups]
@@ -264,7 +263,9 @@ class Actor:
         for rows in minibatches(batch.size, num_minibatches, self.dp):
             counts = global_counts(batch.loss_mask[rows])
             mine = rank_micro_batches(rows, lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
-            items = [make_item(batch.select(r), r) for r in mine]
+            # Every micro-batch goes to the device before the first runs: a host-to-device copy
+            # waits for the GPU, so one per micro-batch would stall the queue of launched kernels.
+            items = [make_item(batch.select(r).to(self.device), r) for r in mine]
             scale = len(items) * self.dp  # undo Megatron's 1/num_microbatches and DDP's 1/dp (module doc)
 
             def scaled(item, tokens, output):

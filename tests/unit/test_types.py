@@ -28,6 +28,14 @@ def test_select_trims_padding():
     assert b.tokens.shape == (2, 4) and b.samples[1].label == "6"
 
 
+def test_to_moves_tensors_and_keeps_lists():
+    b = batch()
+    b.advantages = torch.ones(b.size)
+    moved = b.to("meta")  # a device every machine has besides the CPU
+    assert moved.tokens.is_meta and moved.advantages.is_meta and moved.rewards is None
+    assert moved.samples is b.samples and not b.tokens.is_meta
+
+
 def test_concat_renumbers_groups_and_pads():
     b = RolloutBatch.concat([batch(), batch(1)])
     assert b.group_ids.tolist() == [0, 0, 1, 1, 2, 3] and b.tokens.shape == (6, 5)
