@@ -94,9 +94,13 @@ def run_vllm(folder: Path, kv_cache_dtype: str) -> tuple[list[dict] | None, str]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([sys.executable, __file__, "--vllm-stage", str(folder), str(out), kv_cache_dtype], env=env,
                        capture_output=True, text=True)
+    log = folder / "vllm_stage.log"
+    log.write_text(r.stdout + r.stderr)
     if r.returncode != 0 or not out.is_file():
-        tail = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()][-1:] or ["(no output)"]
-        return None, tail[0]
+        lines = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln]  # the exception, not exit-time warnings
+        print(f"vLLM stage failed (full log: {log}):\n" + "\n".join(lines[-40:]), file=sys.stderr)
+        return None, (errors or lines or ["(no output)"])[-1]
     return json.loads(out.read_text()), ""
 
 

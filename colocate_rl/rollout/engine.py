@@ -140,6 +140,11 @@ class RolloutEngine:
             tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
         )
+        if r.tensor_parallel_size > 1:
+            # vLLM picks its Ray executor whenever it starts inside a Ray placement group (our Ray
+            # launchers' engine hosts), and its Ray workers would wait forever for GPUs that the
+            # group's bundles have already given out. One engine spans one node: its own processes.
+            kwargs["distributed_executor_backend"] = "mp"
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
         else:
@@ -347,8 +352,11 @@ class RolloutEngine:
         return len(self.device_uuids)
 
     def checksum(self, names: list[str]) -> dict[str, float]:
-        """HF name -> weight_sync.verify.tensor_checksum inside the engine (first worker)."""
-        return self._rpc("checksum", list(names))[0]
+        """HF name -> weight_sync.verify.tensor_checksum of the engine's copy (vocabulary shards of
+        tensor-parallel workers added up)."""
+        from colocate_rl.weight_sync.verify import combine_worker_checksums
+
+        return combine_worker_checksums(self._rpc("checksum", list(names)))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v) for k, v in self._rpc("weight_shapes")[0].items()}

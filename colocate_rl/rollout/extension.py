@@ -26,6 +26,7 @@ Loading differs by platform:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -215,9 +216,10 @@ class WeightReceiver:
                     self._crl_fix_cpu_after_reload()
         st["active"] = False
 
-    def checksum(self, names: list[str]) -> dict[str, float]:
-        """HF name -> tensor_checksum of the engine's copy. Only tensors vLLM keeps unfused and
-        unpacked qualify (embeddings, norms, lm_head); others raise naming the tensor."""
+    def checksum(self, names: list[str]) -> dict[str, tuple[float, bool]]:
+        """HF name -> (tensor_checksum of this worker's copy, whether it is one vocabulary shard of
+        it; weight_sync.verify.combine_worker_checksums adds the shards up). Only tensors vLLM keeps
+        unfused and unpacked qualify (embeddings, norms, lm_head); others raise naming the tensor."""
         st = self._crl_state()
         model = self._crl_model()
         out = {}
@@ -229,13 +231,21 @@ class WeightReceiver:
             except AttributeError:
                 param = None
             shape = st["shapes"][name]
-            if param is None or param.dim() != len(shape) or any(p < s for p, s in zip(param.shape, shape)):
+            # Embeddings and lm_head are split by vocabulary rows over tensor parallelism and padded
+            # per shard: this worker's checkpoint rows count, at their place in the full tensor.
+            shard = None if param is None else getattr(model.get_submodule(name.rpartition(".")[0]),
+                                                       "shard_indices", None)
+            if (param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:])
+                    or (shard is None and param.shape[0] != shape[0])):
                 raise WeightSyncError(
                     f"checksum: tensor '{name}' is fused, sharded or repacked inside vLLM; "
                     "pick embeddings, norms or lm_head"
                 )
-            # vLLM pads the vocabulary dimension; compare the checkpoint's rows only.
-            out[name] = tensor_checksum(param[tuple(slice(0, s) for s in shape)])
+            if shard is None:
+                out[name] = (tensor_checksum(param), False)
+            else:
+                rows = param[: shard.num_org_elements]
+                out[name] = (tensor_checksum(rows, shard.org_vocab_start_index * math.prod(shape[1:])), True)
         return out
 
     # ------------------------------------------------------------------ helpers

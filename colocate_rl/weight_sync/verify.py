@@ -5,12 +5,21 @@ from __future__ import annotations
 import torch
 
 
-def tensor_checksum(t: torch.Tensor) -> float:
-    """Position-weighted float64 sum: sum_i x_i * (1 + i % 251). A permutation or a changed element
-    changes it (a plain sum misses swapped rows). Equal within float64 rounding of the same values."""
+def tensor_checksum(t: torch.Tensor, offset: int = 0) -> float:
+    """Position-weighted float64 sum: sum_i x_i * (1 + (offset + i) % 251). A permutation or a changed
+    element changes it (a plain sum misses swapped rows). Equal within float64 rounding of the same
+    values. ``offset``: the flat index of t's first element in a larger tensor, so the checksums of
+    row blocks (tensor-parallel shards) add up to the whole tensor's."""
     x = t.detach().reshape(-1).to(torch.float64)
-    w = (torch.arange(x.numel(), device=x.device) % 251 + 1).to(torch.float64)
+    w = ((torch.arange(x.numel(), device=x.device) + offset) % 251 + 1).to(torch.float64)
     return float((x * w).sum())
+
+
+def combine_worker_checksums(per_worker: list[dict[str, tuple[float, bool]]]) -> dict[str, float]:
+    """The engine's checksums from its workers' {name: (checksum, sharded)}: a sharded tensor's is the
+    sum of its shards' (each taken at its global offset), a replicated one's is worker 0's."""
+    return {name: sum(w[name][0] for w in per_worker) if sharded else value
+            for name, (value, sharded) in per_worker[0].items()}
 
 
 class WeightMismatch(RuntimeError):

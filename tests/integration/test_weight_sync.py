@@ -127,3 +127,26 @@ def test_shape_mismatch_is_refused(tied):
     sender, message = _bad_bucket(tied, ("model.layers.1.post_attention_layernorm.weight", torch.ones(65)))
     _assert_refused(tied, message, r"model.layers.1.post_attention_layernorm.weight.*\(65,\).*\(64,\)")
     sender.release()
+
+
+def test_tp2_engine_checksums_add_up_vocab_shards(tiny_model, monkeypatch):
+    """vLLM at tensor_parallel_size=2 splits embed_tokens and lm_head by vocabulary rows (padded per
+    shard); the engine's checksum adds the two workers' shards up to the checkpoint tensor's. (A
+    weight sync into two CPU workers is not tested: a CPU shared-memory handle passes its file
+    descriptor to one receiving process only; on GPU every worker opens its own CUDA IPC handle.)"""
+    from safetensors.torch import load_file
+
+    from colocate_rl.rollout import RolloutEngine
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU workers want a NUMA node each, else a core each
+    path = tiny_model("qwen3-tiny")
+    cfg = make_cfg(path)
+    cfg.rollout.multiprocess, cfg.rollout.tensor_parallel_size = True, 2
+    eng = RolloutEngine(cfg)
+    try:
+        assert eng.num_workers == 2
+        tensors = load_file(str(path / "model.safetensors"))
+        names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+        assert eng.checksum(names) == pytest.approx({n: tensor_checksum(tensors[n]) for n in names}, rel=1e-12)
+    finally:
+        eng.shutdown()

@@ -106,3 +106,19 @@ def test_checksum_sees_permutations():
     assert tensor_checksum(t) == tensor_checksum(t.clone())
     assert tensor_checksum(t) != tensor_checksum(t.flip(0)), "swapped rows keep the plain sum"
     assert tensor_checksum(t.to(torch.bfloat16)) == tensor_checksum(t)  # small ints are exact in bf16
+
+
+def test_vocab_shard_checksums_add_up_to_the_whole_tensor():
+    from colocate_rl.weight_sync.verify import combine_worker_checksums
+
+    t = torch.randn(10, 3, dtype=torch.float64)
+    shards = [t[:6], t[6:]]  # a vocabulary split over two tensor-parallel workers
+    per_worker = [{"embed.weight": (tensor_checksum(s, offset=start * 3), True), "norm.weight": (7.0, False)}
+                  for s, start in zip(shards, (0, 6))]
+    combined = combine_worker_checksums(per_worker)
+    assert combined["embed.weight"] == pytest.approx(tensor_checksum(t), rel=1e-12)
+    assert combined["norm.weight"] == 7.0  # replicated: taken once, not summed
+    swapped = [per_worker[1], per_worker[0]]
+    assert combine_worker_checksums([{"e": (tensor_checksum(s), True)} for s in shards])["e"] != \
+        pytest.approx(tensor_checksum(t), rel=1e-9), "shards taken without their offsets must not pass"
+    assert combine_worker_checksums(swapped)["embed.weight"] == pytest.approx(tensor_checksum(t), rel=1e-12)
