@@ -146,9 +146,10 @@ def write_profile(path: Path, fns: dict) -> None:
                 _sync()
             wall = time.perf_counter() - t0
             ev = prof.key_averages()
-            dev_s = sum(e.self_device_time_total for e in ev) / 1e6
+            kernels = [e for e in ev if e.device_type.name == "CUDA"]  # operator rows repeat their kernels' time
+            dev_s = sum(e.self_device_time_total for e in kernels) / 1e6
             f.write(f"==== {name}: {wall:.3f} s wall (profiled), device busy {dev_s:.3f} s "
-                    f"({dev_s / wall:.0%}), {sum(e.count for e in ev if e.device_type.name == 'CUDA')} kernels\n")
+                    f"({dev_s / wall:.0%}), {sum(e.count for e in kernels)} kernels\n")
             for key in (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
                 f.write(ev.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n")
     print(f"wrote {path}")

@@ -59,7 +59,16 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
         ids = [list(x.prompt_ids) for x in s.train_samples[:8]]
     finally:
         s.close()
-    out.write_text(json.dumps({"steps": steps, "train_ids": ids}))
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")}
+    out.write_text(json.dumps({"steps": steps, "train_ids": ids, "machine": machine(), "settings": settings}))
+
+
+def machine() -> dict:
+    import torch
+    import vllm
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
 def child(cmd: list[str], what: str) -> dict:
@@ -86,7 +95,15 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--summarize", type=Path, metavar="DIR",
+                    help="only rebuild the result from a finished run's ours.json and trl.json in DIR")
     args = ap.parse_args()
+    if args.summarize:
+        ours, trl = (json.loads((args.summarize / f).read_text()) for f in ("ours.json", "trl.json"))
+        smi = args.summarize / "gpu.txt"  # scripts/gpu_checks.sh's nvidia-smi record, for runs whose ours.json
+        if "machine" not in ours and smi.is_file():  # predates its machine entry
+            ours["machine"] = {"gpu": smi.read_text().splitlines()[1].split(",")[0]}
+        return write(args, summarize(args, ours, trl))
 
     from colocate_rl.config import ArithmeticConfig
     from colocate_rl.data.arithmetic import arithmetic_problems
@@ -99,7 +116,7 @@ def main() -> None:
     work = root / "gpu_vs_trl"
     work.mkdir(parents=True, exist_ok=True)
     argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
-            if k not in ("out", "job") and v is not False]
+            if k not in ("out", "job", "summarize") and v is not False]
     ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
 
     spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,
@@ -111,20 +128,20 @@ def main() -> None:
             "max_model_len": 32 + args.tokens}
     (work / "trl.spec.json").write_text(json.dumps(spec))
     trl = child([sys.executable, str(RUNNER), str(work / "trl.spec.json"), str(work / "trl.json")], "trl")
+    write(args, summarize(args, ours, trl))
 
+
+def summarize(args, ours: dict, trl: dict) -> dict:
+    """The result from each side's own record: medians over the steps after the warm-up one."""
     timed = ours["steps"][1:]
     trl_steps = trl["step_s"][1:]
     trl_logs = [lg for lg in trl["logs"] if "sampling/sampling_logp_difference/mean" in lg][1:]
     ours_s, trl_s = statistics.median(x["wall"] for x in timed), statistics.median(trl_steps)
-    import torch
-    import vllm
-
-    result = {
+    return {
         "benchmark": "gpu_vs_trl",
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
-                    "trl": trl["versions"]["trl"], "transformers": trl["versions"]["transformers"],
-                    "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "job")},
+        "machine": {**ours.get("machine", {}), "trl": trl["versions"]["trl"],
+                    "transformers": trl["versions"]["transformers"], "trl_side_torch": trl["versions"]["torch"]},
+        "settings": ours.get("settings") or {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")},
         "ours_s_per_step": ours_s,
         "trl_s_per_step": trl_s,
         "step_s_vs_trl": trl_s / ours_s,
@@ -140,6 +157,9 @@ def main() -> None:
         "trl_steps_s": trl["step_s"],
         "trl_startup_s": trl["startup_s"],
     }
+
+
+def write(args, result: dict) -> None:
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -102,8 +102,6 @@ class HostOffload:
         pin = platform.has_gpu()
         total = 0
         todo = [p for p in self._select(parts) if p in self._moved]
-        if pin and todo:
-            _reserve([host.numel() for part in todo for _, host in self._moved[part]])
         for part in todo:
             for s, host in self._moved[part]:
                 s.resize_(host.numel())
@@ -114,18 +112,6 @@ class HostOffload:
         for part in todo:
             del self._moved[part]
         return total, time.perf_counter() - t0
-
-
-def _reserve(sizes: list[int]) -> None:
-    """Has the CUDA caching allocator hold one segment that the storages about to grow back will be
-    carved from: one cudaMalloc instead of one per storage (~900 for a 0.6B model, which took as
-    long as the copies). Sizes up to 1 MiB come from the allocator's small pool and are left out;
-    the others are rounded as the allocator rounds them (512 bytes), so the segment is used up
-    exactly and offload's empty_cache can hand all of it back."""
-    large = sum(-(-n // 512) * 512 for n in sizes if n > 2**20)
-    if large:
-        del_me = torch.empty(large, dtype=torch.uint8, device=platform.device())
-        del del_me  # back to the allocator's cache, not to the driver
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
