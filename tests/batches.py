@@ -1,5 +1,6 @@
 """Synthetic rollout batches for the actor tests: random tokens, right-padded, two samples per
-prompt, advantages +1 / -1 (importable from every test folder: tests/ holds the root conftest)."""
+prompt, advantages +1 / -1; and one GRPO step through the actor on such a batch (importable from
+every test folder: tests/ holds the root conftest)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,25 @@ def synthetic_batch(lens: list[int], prompt_len: int = 3, vocab: int = 320, seed
         responses=[""] * b, samples=[Sample(list(range(1, prompt_len + 1)))] * b,
         advantages=torch.tensor([1.0, -1.0] * (b // 2)),
     )
+
+
+def grpo_step_view(path: str, overrides: dict, lens: list[int]) -> dict:
+    """An fp32 actor at ``overrides`` (cfg.actor fields) on the model at ``path`` scores
+    synthetic_batch(lens, seed=1), exports, takes one GRPO step (lr 1e-3, micro-batches of 2) and
+    scores again. Collective when the layout spans ranks; returns this rank's view: logprobs
+    before / after, the step's loss and grad norm, the exported tensors."""
+    from colocate_rl.config import Config, ModelConfig
+    from colocate_rl.trainer import Actor
+
+    cfg = Config(model=ModelConfig(path=path, dtype="float32"))
+    cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
+    for k, v in overrides.items():
+        setattr(cfg.actor, k, v)
+    actor = Actor(cfg)
+    batch = synthetic_batch(lens, seed=1)
+    before = actor.compute_logprobs(batch)
+    exported = {n: t.clone() for n, t in actor.export_hf_weights()}
+    batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)
+    m = actor.train_step(batch, before)
+    return {"before": before, "after": actor.compute_logprobs(batch), "loss": m["loss"],
+            "grad_norm": m["grad_norm"], "exported": exported}

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from colocate_rl.models.mapping import ParamSpec
-from colocate_rl.models.registry import Family, register
+from colocate_rl.models.registry import Family, common_config_fields, register
 
 
 def _rope_theta(hf: dict) -> float:
@@ -93,7 +93,6 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
         )
-    bf16 = params_dtype == torch.bfloat16
     return TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -111,17 +110,7 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
         attention_softmax_in_fp32=True,
-        # Fused kernels come from apex/TE, absent on CPU and on plain CUDA installs.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=bf16,
-        fp16=params_dtype == torch.float16,
+        **common_config_fields(params_dtype),
         # Also set on dense models: Megatron rejects variable_seq_lengths (pipeline stages with
         # per-micro-batch lengths) under its default allgather dispatcher even without experts.
         moe_token_dispatcher_type="alltoall",

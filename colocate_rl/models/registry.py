@@ -19,6 +19,19 @@ if TYPE_CHECKING:
 _BUILTIN = ("colocate_rl.models.qwen3", "colocate_rl.models.deepseek_v4")
 
 
+def common_config_fields(params_dtype) -> dict:
+    """TransformerConfig fields every family sets alike: the dtype fields, and no fused kernels
+    from apex or TransformerEngine (absent on CPU and on plain CUDA installs)."""
+    import torch
+
+    return dict(
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     name: str

@@ -8,10 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from colocate_rl.config import Config, ModelConfig
-from colocate_rl.types import RolloutBatch
-
-from batches import synthetic_batch
+from batches import grpo_step_view
 
 # (name, model shape, actor overrides); world size 2 for each.
 LAYOUTS = [
@@ -19,29 +16,11 @@ LAYOUTS = [
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
     ("pp2", "qwen3-tiny-tied", dict(pp=2)),
 ]
-
-
-def make_batch() -> RolloutBatch:
-    """8 rows (4 prompts x 2 samples), right-padded; advantages +1 / -1."""
-    return synthetic_batch([12, 9, 11, 6, 10, 7, 12, 5], seed=1)
+LENS = [12, 9, 11, 6, 10, 7, 12, 5]  # tokens per row of the synthetic batch (4 prompts x 2 samples)
 
 
 def run_layout(path: str, overrides: dict) -> dict:
-    """Build, score, export, one GRPO step, score again (on every rank; returns this rank's view)."""
-    from colocate_rl.trainer import Actor
-
-    cfg = Config(model=ModelConfig(path=path, dtype="float32"))
-    cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
-    for k, v in overrides.items():
-        setattr(cfg.actor, k, v)
-    actor = Actor(cfg)
-    batch = make_batch()
-    before = actor.compute_logprobs(batch)
-    exported = {n: t.clone() for n, t in actor.export_hf_weights()}
-    batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)
-    m = actor.train_step(batch, before)
-    return {"before": before, "after": actor.compute_logprobs(batch), "loss": m["loss"],
-            "grad_norm": m["grad_norm"], "exported": exported}
+    return grpo_step_view(path, overrides, LENS)
 
 
 def all_layouts(jobs: list[tuple[str, str, dict]]) -> dict:

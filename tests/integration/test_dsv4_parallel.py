@@ -13,33 +13,14 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from colocate_rl.config import Config, ModelConfig  # noqa: E402
-from colocate_rl.types import RolloutBatch  # noqa: E402
-
-from batches import synthetic_batch  # noqa: E402
+from batches import grpo_step_view  # noqa: E402
 
 LAYOUTS = [("ep2", dict(ep=2, distributed_optimizer=True))]
-
-
-def make_batch() -> RolloutBatch:
-    return synthetic_batch([14, 9, 11, 6, 10, 7, 12, 5], seed=1)
+LENS = [14, 9, 11, 6, 10, 7, 12, 5]  # tokens per row of the synthetic batch (4 prompts x 2 samples)
 
 
 def run_layout(path: str, overrides: dict) -> dict:
-    from colocate_rl.trainer import Actor
-
-    cfg = Config(model=ModelConfig(path=path, dtype="float32"))
-    cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
-    for k, v in overrides.items():
-        setattr(cfg.actor, k, v)
-    actor = Actor(cfg)
-    batch = make_batch()
-    before = actor.compute_logprobs(batch)
-    exported = {n: t.clone() for n, t in actor.export_hf_weights()}
-    batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)
-    m = actor.train_step(batch, before)
-    return {"before": before, "after": actor.compute_logprobs(batch), "loss": m["loss"],
-            "grad_norm": m["grad_norm"], "exported": exported}
+    return grpo_step_view(path, overrides, LENS)
 
 
 def tp_forward(path: str, tp: int) -> dict:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from colocate_rl.models.deepseek_v4.config import Hparams
 from colocate_rl.models.deepseek_v4.weights import params
-from colocate_rl.models.registry import Family, register
+from colocate_rl.models.registry import Family, common_config_fields, register
 
 
 def check_parallel(hf: dict, tp: int, pp: int, ep: int) -> None:
@@ -54,16 +54,7 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
+        **common_config_fields(params_dtype),
         num_moe_experts=h.num_experts,
         moe_router_topk=h.topk,
         moe_ffn_hidden_size=h.moe_intermediate_size,
