@@ -141,7 +141,8 @@ def summarize(args, ours: dict, trl: dict) -> dict:
         "benchmark": "gpu_vs_trl",
         "machine": {**ours.get("machine", {}), "trl": trl["versions"]["trl"],
                     "transformers": trl["versions"]["transformers"], "trl_side_torch": trl["versions"]["torch"]},
-        "settings": ours.get("settings") or {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")},
+        "settings": ours.get("settings") or {k: v for k, v in vars(args).items()
+                                             if k not in ("out", "job", "summarize")},
         "ours_s_per_step": ours_s,
         "trl_s_per_step": trl_s,
         "step_s_vs_trl": trl_s / ours_s,
