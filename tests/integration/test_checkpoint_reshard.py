@@ -9,7 +9,11 @@ import torch
 
 from colocate_rl.config import Config, ModelConfig
 
-from test_actor_parallel import make_batch
+from batches import synthetic_batch
+
+
+def make_batch():
+    return synthetic_batch([12, 9, 11, 6, 10, 7, 12, 5], seed=1)
 
 
 def actor(path: str, tp: int):
