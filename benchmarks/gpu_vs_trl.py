@@ -59,8 +59,12 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
         ids = [list(x.prompt_ids) for x in s.train_samples[:8]]
     finally:
         s.close()
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")}
-    out.write_text(json.dumps({"steps": steps, "train_ids": ids, "machine": machine(), "settings": settings}))
+    out.write_text(json.dumps({"steps": steps, "train_ids": ids, "machine": machine(), "settings": settings(args)}))
+
+
+def settings(args) -> dict:
+    """The run's options (what the ours-side child is started with), without the file arguments."""
+    return {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")}
 
 
 def machine() -> dict:
@@ -115,8 +119,8 @@ def main() -> None:
         return ours_job(args, path, root, args.job)
     work = root / "gpu_vs_trl"
     work.mkdir(parents=True, exist_ok=True)
-    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
-            if k not in ("out", "job", "summarize") and v is not False]
+    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in settings(args).items()
+            if v is not False]
     ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
 
     spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,
@@ -141,8 +145,7 @@ def summarize(args, ours: dict, trl: dict) -> dict:
         "benchmark": "gpu_vs_trl",
         "machine": {**ours.get("machine", {}), "trl": trl["versions"]["trl"],
                     "transformers": trl["versions"]["transformers"], "trl_side_torch": trl["versions"]["torch"]},
-        "settings": ours.get("settings") or {k: v for k, v in vars(args).items()
-                                             if k not in ("out", "job", "summarize")},
+        "settings": ours.get("settings") or settings(args),
         "ours_s_per_step": ours_s,
         "trl_s_per_step": trl_s,
         "step_s_vs_trl": trl_s / ours_s,
