@@ -89,8 +89,10 @@ class Actor:
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, cfg.model.path)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
+        # Gradients are zeroed before every backward, so offloading them is freeing them.
         self._offload = HostOffload(
-            {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors})
+            {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors},
+            scratch=("grads",))
 
     # ------------------------------------------------------------ build
 
@@ -354,7 +356,8 @@ class Actor:
 
     def offload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
         """Moves ``parts`` (default all of params, grads, optimizer) to host memory (pinned on GPU)
-        and releases their device memory. Returns (bytes moved, seconds)."""
+        and releases their device memory; the gradients are only released (they come back as zeros).
+        Returns (bytes moved, seconds)."""
         return self._offload.offload(parts)
 
     def onload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
