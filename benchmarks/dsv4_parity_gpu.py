@@ -6,8 +6,9 @@ with logprobs, the Megatron actor re-scores the same tokens, both in bf16 on one
 vLLM 0.26's DeepSeek-V4 on NVIDIA needs more than vLLM's own packages: `compressed-tensors` and
 `loguru` (imported on load), an FP8 KV cache (its fp8_ds_mla cache layout), the released FP8
 weight layout (with bf16 weights its loader fails: 'ColumnParallelLinear' object has no attribute
-'weight_scale_inv'), and a CUDA compiler for the JITs of tilelang (mHC) and DeepGEMM (vendored in
-vLLM): scripts/dsv4_gpu_wheels.sh gathers tilelang and the CUDA 13 compiler wheels and writes
+'weight_scale_inv'), the CuTe DSL (nvidia-cutlass-dsl, quack-kernels) for its compressor kernels,
+and a CUDA compiler for the JITs of tilelang (mHC) and DeepGEMM (vendored in vLLM):
+scripts/dsv4_gpu_wheels.sh gathers tilelang, the CuTe DSL and the CUDA 13 compiler wheels and writes
 the install step that sets CUDA_HOME up.
 
 Self-contained: writes a random-weight DeepSeek-V4 in the official format into a temp folder. Its
@@ -93,7 +94,10 @@ def vllm_stage(folder: str, out: str, kv_cache_dtype: str) -> None:
 
 def run_vllm(folder: Path, kv_cache_dtype: str) -> tuple[list[dict] | None, str]:
     out = folder / "vllm_rows.json"
+    # FlashInfer's wrapper of DeepGEMM's FP8 block GEMM (vLLM's first pick on Hopper) JIT-builds against
+    # the full CUDA toolkit (nvrtc.h, cublasLt.h); the next pick is DeepGEMM itself, the same kernels.
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_DISABLED_KERNELS", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
     r = subprocess.run([sys.executable, __file__, "--vllm-stage", str(folder), str(out), kv_cache_dtype], env=env,
                        capture_output=True, text=True)
     log = folder / "vllm_stage.log"
