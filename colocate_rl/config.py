@@ -91,7 +91,7 @@ class ActorConfig:
     micro_batch_size: int = 4
     num_minibatches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
     distributed_optimizer: bool = False
-    offload: bool = True  # colocated: move params/grads/optimizer to host while vLLM runs
+    offload: bool = True  # colocated: move params/optimizer to host, free grads, while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
