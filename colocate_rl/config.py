@@ -87,7 +87,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     # Sequences per forward/backward. On GPUs raise it as far as memory allows: the actor is bound
     # by kernel launches, and on an H200 64 trained a Qwen3-0.6B-shaped batch 37% faster than 16
-    # (benchmarks/results/gpu_vs_trl_h200_micro64_ours.json).
+    # (benchmarks/results/gpu_vs_trl_h200_micro64.json).
     micro_batch_size: int = 4
     num_minibatches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
     distributed_optimizer: bool = False

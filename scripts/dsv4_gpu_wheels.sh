@@ -8,7 +8,10 @@
 # a larger wheel travels as .partNN pieces that install.sh joins) and writes .device/dsv4/install.sh.
 # On the machine, after copying every group to /tmp/vb/dsv4/:
 #   bash .device/dsv4/install.sh /tmp/vb/tl      # then, in every command:
-#   export PYTHONPATH=/tmp/vb/tl:$PYTHONPATH CUDA_HOME=/tmp/vb/tl/nvidia/cu13 PATH=/tmp/vb/tl/nvidia/cu13/bin:$PATH
+#   export PYTHONPATH=/tmp/vb/tl:/tmp/vb/tl/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH \
+#     CUDA_HOME=/tmp/vb/tl/nvidia/cu13 PATH=/tmp/vb/tl/nvidia/cu13/bin:$PATH
+# (the CuTe DSL's `cutlass` package lives under dsl_packages/, which its .pth file adds to sys.path
+# only in a site directory; a --target folder on PYTHONPATH needs it spelled out)
 set -euo pipefail
 out=.device/dsv4; rm -rf "$out"; mkdir -p "$out/all"
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
@@ -70,6 +73,6 @@ for base in $(python3 -c 'import nvidia; print(*nvidia.__path__)'); do
   fi
 done
 "$cu/bin/nvcc" --version | tail -1
-echo "export PYTHONPATH=$target:\$PYTHONPATH CUDA_HOME=$cu PATH=$cu/bin:\$PATH"
+echo "export PYTHONPATH=$target:$target/nvidia_cutlass_dsl/dsl_packages:\$PYTHONPATH CUDA_HOME=$cu PATH=$cu/bin:\$PATH"
 SH
 chmod +x "$out/install.sh"
