@@ -86,7 +86,7 @@ class ActorConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     # Sequences per forward/backward. On GPUs raise it as far as memory allows: the actor is bound
-    # by kernel launches, and on an H200 64 trained a Qwen3-0.6B-shaped batch 37% faster than 16
+    # by kernel launches, and on an H200 64 trained a Qwen3-0.6B-shaped batch 38% faster than 16
     # (benchmarks/results/gpu_vs_trl_h200_micro64.json).
     micro_batch_size: int = 4
     num_minibatches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
