@@ -1,4 +1,9 @@
-"""Command line of the recipes: ``python recipes/X.py preset=NAME [file.yaml] [key=value ...]``."""
+"""Command line of the recipes: ``python recipes/X.py preset=NAME [file.yaml] [key=value ...]``.
+
+Before anything heavy loads: the config is merged and validated, the device chosen, the plan
+(layout, memory per GPU and phase) printed with the resolved config. ``dry_run=true`` stops there.
+Every mistake a user can make in the config ends the run in one line, not a traceback.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from colocate_rl.config import Config, ConfigError, load, print_config, split_cli
+
+# Exit codes a supervisor does not restart after (colocate_rl.supervise): restarting cannot help.
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 
 
 def preset_config(yaml_path: Path, preset: str, recipe: str) -> Config:
@@ -23,30 +31,54 @@ def preset_config(yaml_path: Path, preset: str, recipe: str) -> Config:
 
 def check_hardware(cfg: Config) -> None:
     """Fail in one line, before anything heavy loads, when this machine cannot run the placement."""
-    import torch
-
     from colocate_rl import platform
+    from colocate_rl.config import machine_gpus
 
     need = cfg.placement.gpus_per_node
-    have = torch.cuda.device_count() if platform.has_gpu() else 0
-    if need > have:
+    have = machine_gpus() if need else 0
+    if need > have and not cfg.dry_run:
         where = f"{cfg.placement.nnodes} node(s) x {need} GPUs" if cfg.placement.nnodes > 1 else f"{need} GPUs"
         raise SystemExit(
             f"error: preset {cfg.preset or '(custom)'} needs {where} per node; this machine has {have} "
-            f"({platform.kind()}). Try preset=tiny, or set placement.gpus_per_node."
-        )
+            f"({platform.kind()}). Try preset=tiny, or dry_run=true to see its plan.")
 
 
-def main(config_fn, argv: list[str]) -> dict:
+def _fail(e: BaseException, code: int) -> SystemExit:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return SystemExit(code)
+
+
+def main(config_fn, argv: list[str], gaps=None) -> dict:
+    """``gaps(cfg)``: a recipe's one line naming what its preset needs that is not built ('' if nothing)."""
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "tiny")
     rest = [a for a in argv if not a.startswith("preset=")]
     files, overrides = split_cli(rest)
     try:
         cfg = load(config_fn(preset), files=files, overrides=overrides)
     except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise _fail(e, EXIT_CONFIG) from None
+    if cfg.placement.gpus_per_node == 0:
+        from colocate_rl import platform
+
+        platform.hide_gpus()  # 0 means the CPU, for the actor and the engines, even on a GPU machine
+    missing = gaps(cfg) if gaps else ""
+    if missing and not cfg.dry_run:
+        raise _fail(missing, EXIT_CONFIG)
     check_hardware(cfg)
     print_config(cfg)
+    from colocate_rl.plan import resolve
+
+    try:
+        plan = resolve(cfg, strict=not cfg.dry_run)
+    except ConfigError as e:
+        raise _fail(e, EXIT_CONFIG) from None
+    print(plan.describe() + (f"\nnot built yet: {missing}" if missing else ""), flush=True)
+    if cfg.dry_run:
+        return {"plan": plan}
+    if cfg.supervise.max_restarts and not os.environ.get("COLOCATE_RL_ATTEMPT"):
+        from colocate_rl.supervise import supervise
+
+        raise SystemExit(supervise(cfg, argv))
     # megatron-core warns once per missing optional kernel package (TE, apex); vLLM logs each engine
     # call at INFO and, on CPU, warns at every in-place reload that the rotary embedding has no
     # weights to load: keep the console to the run's own lines unless VLLM_LOGGING_LEVEL says otherwise.
@@ -54,7 +86,14 @@ def main(config_fn, argv: list[str]) -> dict:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as e:  # found once the model folder exists (e.g. a tokenizer that does not fit)
+        raise _fail(e, EXIT_CONFIG) from None
+    except FloatingPointError as e:  # the NaN stop: restarting would only repeat it
+        raise _fail(e, EXIT_NONFINITE) from None
+    except KeyboardInterrupt:
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 if __name__ == "__main__":

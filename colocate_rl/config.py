@@ -49,7 +49,7 @@ class RolloutConfig:
     sleep_level: int = 2  # 2 discards weights (the next sync overwrites them); 1 copies them to host
     sync_bucket_mb: int = 256  # weight-sync bucket size (one IPC handle per bucket)
     verify_sync_every: int = 0  # steps; compare checksums of a few tensors, actor vs engine, after a sync
-    num_engines: int = 1  # disaggregated mode: engines behind the router
+    num_engines: int = 0  # disaggregated mode: engines behind the router; 0 = as many as the rollout GPUs hold
     # Disaggregated mode: generate step k+1 while step k trains (one step stale; the token IS
     # correction, algorithm.is_clamp, weights the stale samples).
     off_policy: bool = False
@@ -64,6 +64,10 @@ class RolloutConfig:
     # did. vLLM then samples seeded rows one by one (slightly slower on large batches).
     seed_each_step: bool = True
     max_engine_restarts: int = 2  # per step: a dead engine is rebuilt, re-synced, its prompts re-issued
+    # DAPO's dynamic sampling: drop groups whose rewards are all equal (no gradient) and sample more
+    # prompts, up to dynamic_max_rounds extra generations, until data.prompts_per_step groups remain.
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 4
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as-is
     # vllm | transformers: sample with transformers' generate in the actor's process, for models
     # vLLM cannot run on this machine (the tiny DeepSeek-V4 on CPU; see rollout/hf_generate.py).
@@ -91,7 +95,11 @@ class ActorConfig:
     micro_batch_size: int = 4
     num_minibatches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
     distributed_optimizer: bool = False
-    offload: bool = True  # colocated: move params/optimizer to host, free grads, while vLLM runs
+    # Colocated: which of the actor's params / grads / optimizer state leave the device while vLLM
+    # runs. auto: only what the memory plan says does not fit beside vLLM's weights and KV cache
+    # (nothing on CPU, where there is no device memory to hand over); all: every part, every step;
+    # none: nothing (the plan stops the run if that does not fit).
+    offload: str = "auto"
     recompute: bool = False  # activation recomputation (full layers)
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
@@ -151,7 +159,12 @@ class RewardConfig:
 class PlacementConfig:
     mode: str = "colocated"  # colocated | disaggregated
     nnodes: int = 1
-    gpus_per_node: int = 1  # 0 = CPU
+    # -1: every GPU this machine has (0 on a machine without); 0: the CPU, even where a GPU exists.
+    gpus_per_node: int = -1
+    # The accelerator the memory plan sizes against: auto (the one found; unchecked on CPU) or a
+    # name from colocate_rl.memory.ACCELERATORS (h100, h200, mi300x, mi355x, ...): plan a run for
+    # hardware this machine does not have (dry_run=true).
+    accelerator: str = "auto"
     actor_nodes: int = 0  # disaggregated only
     rollout_nodes: int = 0  # disaggregated only
     actor_gpus: int = 0  # disaggregated on one node: GPUs for the actor (rest go to rollout)
@@ -202,6 +215,14 @@ class SFTConfig:
 
 
 @dataclass
+class SuperviseConfig:
+    """Restart a run that died (a killed process, an unrecoverable engine or rank error) from its
+    newest intact checkpoint; a NaN stop, a config error or Ctrl-C is not restarted."""
+
+    max_restarts: int = 0  # 0 = not supervised
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -214,10 +235,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     steps: int = 100
     seed: int = 0
     recipe: str = ""
     preset: str = ""
+    dry_run: bool = False  # print the resolved config and the memory plan, then exit before loading anything
 
 
 # ---------------------------------------------------------------- loading
@@ -260,6 +283,8 @@ def load(base: Config | None = None, files: list[str] = (), overrides: list[str]
     if missing:
         raise ConfigError(f"config field '{missing[0]}' must be set")
     cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
+    if cfg.placement.gpus_per_node == -1:  # printed and saved as the count it stands for
+        cfg.placement.gpus_per_node = machine_gpus()
     validate(cfg)
     return cfg
 
@@ -307,10 +332,13 @@ def print_config(cfg: Config) -> None:
 
 # ---------------------------------------------------------------- validation
 
+# Choice lists of plain settings. Names resolved through a registry (algorithm.advantage,
+# algorithm.policy_loss, reward.name, rollout.backend, the model family) are checked against the
+# registry itself, in colocate_rl.plan, before anything loads.
 CHOICES = {
-    "algorithm.advantage": ("grpo", "grpo_no_std"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
+    "actor.offload": ("auto", "all", "none"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "data.format": ("auto", "verl", "slime", "math"),
@@ -320,11 +348,10 @@ CHOICES = {
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
     "rollout.sleep_level": (1, 2),
     "rollout.weight_quantization": ("", "fp8"),
-    "rollout.backend": ("vllm", "transformers"),
 }
 
 POSITIVE = (
-    "rollout.n", "rollout.max_response_tokens", "rollout.tensor_parallel_size", "rollout.num_engines",
+    "rollout.n", "rollout.max_response_tokens", "rollout.tensor_parallel_size",
     "actor.tp", "actor.pp", "actor.ep", "actor.micro_batch_size", "actor.num_minibatches",
     "data.max_prompt_tokens", "data.prompts_per_step", "reward.workers", "placement.nnodes", "steps",
 )
@@ -343,6 +370,99 @@ def model_info(cfg: Config) -> dict:
     if p.is_file():
         return json.loads(p.read_text())
     return {}
+
+
+# ---------------------------------------------------------------- the parallel layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who runs where, derived once from ``placement``, ``actor`` and ``rollout`` (``layout``).
+
+    On CPU (gpus_per_node = 0) the actor's ranks are processes and ``actor_gpus`` counts them."""
+
+    gpus_per_node: int  # 0 = CPU
+    nnodes: int
+    colocated: bool
+    actor_gpus: int  # actor ranks = tp x pp x dp
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    rollout_gpus: int  # GPUs the engines run on (colocated: the actor's)
+    engines: int  # vLLM engines (colocated: one per node)
+    engine_tp: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+
+def machine_gpus() -> int:
+    """GPUs of this machine (0 without one)."""
+    from colocate_rl import platform
+
+    import torch
+
+    return torch.cuda.device_count() if platform.has_gpu() else 0
+
+
+def gpus_per_node(cfg: Config) -> int:
+    """placement.gpus_per_node with -1 (this machine's GPUs) resolved."""
+    g = cfg.placement.gpus_per_node
+    return machine_gpus() if g < 0 else g
+
+
+def layout(cfg: Config) -> Layout:
+    """The layout, or ConfigError naming the field that does not fit."""
+    pl, a, r = cfg.placement, cfg.actor, cfg.rollout
+    gpn = gpus_per_node(cfg)
+    colocated = pl.mode == "colocated"
+    if gpn == 0:
+        actor = a.tp * a.pp * max(a.dp, 1)
+        rollout = 0
+    elif colocated:
+        actor = rollout = pl.nnodes * gpn
+    elif pl.nnodes > 1:
+        actor, rollout = pl.actor_nodes * gpn, pl.rollout_nodes * gpn
+    else:
+        actor, rollout = pl.actor_gpus, gpn - pl.actor_gpus
+    if actor % (a.tp * a.pp):
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {actor} actor GPUs "
+                          f"(placement: {pl.mode}, {pl.nnodes} node(s) x {gpn})")
+    dp = actor // (a.tp * a.pp)
+    if a.dp and a.dp != dp:
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {a.tp * a.pp * a.dp} "
+                          f"does not match the {actor} actor GPUs")
+    if (a.tp * dp) % a.ep:
+        raise ConfigError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * dp}")
+    tp = r.tensor_parallel_size
+    engines = r.num_engines or 1
+    if gpn:
+        if tp > gpn:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} exceeds placement.gpus_per_node={gpn}: "
+                              "an engine's TP group stays on one node")
+        if colocated:
+            if gpn % tp:
+                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpn} GPUs of a node")
+            engines = pl.nnodes * (gpn // tp)
+        elif not r.num_engines:
+            engines = max(rollout // tp, 1)
+            if engines * tp != rollout:
+                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {rollout} rollout GPUs")
+        elif engines * tp != rollout:
+            raise ConfigError(f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} must equal the "
+                              f"{rollout} rollout GPUs (set rollout.num_engines={max(rollout // tp, 1)})")
+    return Layout(gpus_per_node=gpn, nnodes=pl.nnodes, colocated=colocated, actor_gpus=actor, tp=a.tp, pp=a.pp,
+                  ep=a.ep, dp=dp, rollout_gpus=rollout, engines=engines, engine_tp=tp)
+
+
+def actor_world_size(cfg: Config) -> int:
+    """Actor ranks (GPUs; processes on CPU)."""
+    return layout(cfg).actor_gpus
+
+
+# ---------------------------------------------------------------- validation
 
 
 def validate(cfg: Config, info: Optional[dict] = None) -> None:
@@ -364,37 +484,40 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
     if cfg.algorithm.is_clamp < 0:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
+    if cfg.rollout.num_engines < 0:
+        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines} must be >= 0 (0: as many as fit)")
+    if cfg.supervise.max_restarts < 0:
+        raise ConfigError(f"supervise.max_restarts={cfg.supervise.max_restarts} must be >= 0")
 
     pl = cfg.placement
+    if pl.gpus_per_node < -1:
+        raise ConfigError(f"placement.gpus_per_node={pl.gpus_per_node} must be -1 (this machine's GPUs), 0 (CPU) "
+                          "or a GPU count")
     if pl.mode == "colocated" and (pl.actor_nodes or pl.rollout_nodes or pl.actor_gpus):
         raise ConfigError(
             "placement.mode=colocated shares every GPU between actor and rollout: "
             "unset placement.actor_nodes/rollout_nodes/actor_gpus or set placement.mode=disaggregated"
         )
-    actor_gpus = actor_world_size(cfg)
-    a = cfg.actor
-    if pl.gpus_per_node > 0:
-        if actor_gpus % (a.tp * a.pp):
+    gpn = gpus_per_node(cfg)
+    if pl.mode == "disaggregated":
+        if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
             raise ConfigError(
-                f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {actor_gpus} actor GPUs "
-                f"(placement: {pl.mode}, {pl.nnodes} node(s) x {pl.gpus_per_node})"
+                f"placement.actor_nodes={pl.actor_nodes} + placement.rollout_nodes={pl.rollout_nodes} "
+                f"must equal placement.nnodes={pl.nnodes}"
             )
-        dp = actor_gpus // (a.tp * a.pp)
-        if a.dp and a.dp != dp:
+        if pl.nnodes == 1 and gpn > 0 and not 0 < pl.actor_gpus < gpn:
             raise ConfigError(
-                f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {a.tp * a.pp * a.dp} "
-                f"does not match the {actor_gpus} actor GPUs"
+                f"placement.actor_gpus={pl.actor_gpus} must leave GPUs for rollout on one node of "
+                f"{gpn} (0 < actor_gpus < gpus_per_node)"
             )
-        if (a.tp * dp) % a.ep:
-            raise ConfigError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * dp}")
-        if pl.mode == "colocated" and cfg.rollout.tensor_parallel_size > actor_gpus:
-            raise ConfigError(
-                f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} exceeds the {actor_gpus} GPUs"
-            )
+    lay = layout(cfg)
+    if pl.launcher == "local" and (lay.actor_gpus != 1 or pl.nnodes > 1 or pl.mode != "colocated"):
+        raise ConfigError(f"placement.launcher=local runs one process (a world of one, colocated); this layout "
+                          f"needs {lay.actor_gpus} actor ranks: set placement.launcher=auto or ray")
     if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn or cfg.rollout.weight_quantization):
         raise ConfigError("rollout.off_policy, rollout.custom_fn and rollout.weight_quantization need "
                           "placement.mode=disaggregated")
-    if cfg.rollout.weight_quantization == "fp8" and pl.gpus_per_node == 0:
+    if cfg.rollout.weight_quantization == "fp8" and gpn == 0:
         raise ConfigError("rollout.weight_quantization=fp8 needs GPUs: vLLM's CPU backend runs no FP8 weights")
     if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:
         raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
@@ -402,20 +525,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.sync_timeout_s <= 0:
         raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
     if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
-                                                  or actor_world_size(cfg) != 1):
+                                                  or lay.actor_gpus != 1):
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
-    if pl.mode == "disaggregated":
-        if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
-            raise ConfigError(
-                f"placement.actor_nodes={pl.actor_nodes} + placement.rollout_nodes={pl.rollout_nodes} "
-                f"must equal placement.nnodes={pl.nnodes}"
-            )
-        if pl.nnodes == 1 and pl.gpus_per_node > 0 and not 0 < pl.actor_gpus < pl.gpus_per_node:
-            raise ConfigError(
-                f"placement.actor_gpus={pl.actor_gpus} must leave GPUs for rollout on one node of "
-                f"{pl.gpus_per_node} (0 < actor_gpus < gpus_per_node)"
-            )
 
     ctx = cfg.rollout.max_model_len or (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
     if cfg.rollout.max_model_len and cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens > ctx:
@@ -432,26 +544,6 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                 f"{cfg.data.max_prompt_tokens} = {ctx} exceeds the model's context "
                 f"(max_position_embeddings={max_pos})"
             )
-        experts = info.get("num_experts") or info.get("num_local_experts") or info.get("n_routed_experts") or 0
-        if experts and experts % a.ep:
-            raise ConfigError(f"actor.ep={a.ep} does not divide the model's {experts} experts")
-        if not experts and a.ep > 1:
-            raise ConfigError(f"actor.ep={a.ep} > 1 but the model has no experts")
-        heads = info.get("num_attention_heads")
-        if heads and heads % a.tp:
-            raise ConfigError(f"actor.tp={a.tp} does not divide the model's {heads} attention heads")
-
-
-def actor_world_size(cfg: Config) -> int:
-    """GPUs the actor runs on (1 on CPU)."""
-    pl = cfg.placement
-    if pl.gpus_per_node == 0:
-        return max(1, cfg.actor.tp * cfg.actor.pp * max(cfg.actor.dp, 1))
-    if pl.mode == "colocated":
-        return pl.nnodes * pl.gpus_per_node
-    if pl.nnodes > 1:
-        return pl.actor_nodes * pl.gpus_per_node
-    return pl.actor_gpus
 
 
 def cache_dir() -> Path:

@@ -32,3 +32,15 @@ def summarize(batch: RolloutBatch, rewards: torch.Tensor, name: str = "eval") ->
         out[f"{name}/pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(1)) / correct.shape[0]
         k *= 2
     return out
+
+
+def evaluate(sets: dict, generate, score, n: int, temperature: float, max_tokens: int | None,
+             seed: int | None) -> dict[str, float]:
+    """Every eval set through ``generate(samples, n=, temperature=, max_tokens=, seed=)`` and
+    ``score(batch) -> (rewards, metrics)``; keys "eval/..." (one set) or "eval/<name>/..."."""
+    out: dict[str, float] = {}
+    for name, samples in sets.items():
+        batch = generate(samples, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+        rewards, _ = score(batch)
+        out.update(summarize(batch, rewards, "eval" if len(sets) == 1 else f"eval/{name}"))
+    return out

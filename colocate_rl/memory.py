@@ -1,4 +1,4 @@
-"""Who owns the GPU now: the colocated handoff as a state machine, with a memory check per phase.
+"""Who owns the GPU now, and what each phase keeps on it: the colocated phase cycle and the memory plan.
 
 One colocated step walks this cycle (the staged wake is what keeps the peak below the card):
 
@@ -7,9 +7,14 @@ One colocated step walks this cycle (the staged wake is what keeps the peak belo
        └──wake kv cache── ROLLOUT_WEIGHTS ◀──offload params── SYNC ◀───────────┘
 
 In SYNC the actor's parameters and vLLM's weights are both resident: the sync is a device-to-device
-copy through IPC handles. Any other transition raises, so a phase called out of order fails
-loudly instead of overflowing the card. Before entering a phase, the planned resident bytes are
-compared with the device's capacity and the phase that would overflow is named.
+copy through IPC handles. ``PhaseMachine`` refuses any other transition, so a phase called out of
+order fails loudly instead of overflowing the card.
+
+``MemoryPlan`` is built before anything loads (``plan_memory``: parameter counts from the model's
+config, dtype, optimizer, TP/PP/EP, vLLM's share of the card) and gives the predicted bytes per
+GPU at every phase boundary. It also decides which actor parts must leave the device while vLLM
+runs (``actor.offload=auto``): the fewest that make every phase fit. A phase that cannot fit is
+named, with its bytes, before any engine starts.
 """
 
 from __future__ import annotations
@@ -17,36 +22,31 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+GiB = 2**30
 
 
 class Phase(str, enum.Enum):
     ROLLOUT = "rollout"  # vLLM weights + KV cache
-    IDLE = "idle"  # nothing resident (vLLM asleep, actor offloaded)
+    IDLE = "idle"  # vLLM asleep, actor offloaded
     ACTOR = "actor"  # actor params + grads + optimizer state + activations
-    ACTOR_PARAMS = "actor_params"  # actor params only
+    ACTOR_PARAMS = "actor_params"  # actor params (+ parts that stay on the device)
     SYNC = "sync"  # actor params + vLLM weights + bucket staging
     ROLLOUT_WEIGHTS = "rollout_weights"  # vLLM weights only
 
 
-# What each phase keeps on the device (keys of MemoryPlan.parts).
-RESIDENT: dict[Phase, tuple[str, ...]] = {
-    Phase.ROLLOUT: ("rollout_weights", "kv_cache"),
-    Phase.IDLE: (),
-    Phase.ACTOR: ("actor_params", "actor_grads", "actor_optimizer", "activations"),
-    Phase.ACTOR_PARAMS: ("actor_params",),
-    Phase.SYNC: ("actor_params", "rollout_weights", "sync_buckets"),
-    Phase.ROLLOUT_WEIGHTS: ("rollout_weights",),
-}
+# Legal transitions, in cycle order.
+CYCLE: tuple[Phase, ...] = (Phase.ROLLOUT, Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC,
+                            Phase.ROLLOUT_WEIGHTS)
+TRANSITIONS = {(a, CYCLE[(i + 1) % len(CYCLE)]) for i, a in enumerate(CYCLE)}
 
-# Legal transitions and the call that performs each.
-TRANSITIONS: dict[tuple[Phase, Phase], str] = {
-    (Phase.ROLLOUT, Phase.IDLE): "rollout.sleep",
-    (Phase.IDLE, Phase.ACTOR): "actor.onload",
-    (Phase.ACTOR, Phase.ACTOR_PARAMS): "actor.offload(grads, optimizer)",
-    (Phase.ACTOR_PARAMS, Phase.SYNC): "rollout.wake(weights)",
-    (Phase.SYNC, Phase.ROLLOUT_WEIGHTS): "actor.offload(params)",
-    (Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT): "rollout.wake(kv_cache)",
-}
+# Actor parts (trainer.Actor.offload's names) and the plan's part that sizes each.
+ACTOR_PARTS = {"params": "actor_params", "grads": "actor_grads", "optimizer": "actor_optimizer"}
+# Offload choices for actor.offload=auto, cheapest first: the gradients are freed, not copied
+# (they are zeroed before every backward), so dropping them costs nothing.
+OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = ((), ("grads",), ("grads", "optimizer"),
+                                               ("grads", "optimizer", "params"))
 
 
 class IllegalTransition(RuntimeError):
@@ -57,54 +57,199 @@ class MemoryOverflow(RuntimeError):
     pass
 
 
+# Device memory of accelerators a run can be planned for (decimal GB, as vendors state them).
+ACCELERATORS: dict[str, float] = {
+    "h100": 80, "h200": 141, "b200": 180, "mi250x": 128, "mi300x": 192, "mi308x": 192, "mi325x": 256, "mi355x": 288,
+}
+
+
 @dataclass
 class MemoryPlan:
-    """Bytes each part needs on one device, and what the device offers (0 = unchecked, e.g. CPU)."""
+    """Bytes each part needs on one GPU, what the GPU offers (0 = unchecked, e.g. CPU), and the
+    actor parts that leave the device while vLLM runs.
+
+    parts: actor_params, actor_grads, actor_optimizer, activations, rollout_weights, kv_cache,
+    sync_buckets, runtime (CUDA contexts, allocator slack). host: bytes of pinned host memory a node
+    needs for what is offloaded (and host-resident optimizer state)."""
 
     capacity: int = 0
     parts: dict[str, int] = field(default_factory=dict)
+    offload: tuple[str, ...] = ("grads", "optimizer", "params")
+    colocated: bool = True
+    host_per_node: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def kept(self) -> list[str]:
+        """Plan parts of the actor that stay on the device while vLLM runs."""
+        return [ACTOR_PARTS[p] for p in ACTOR_PARTS if p not in self.offload]
+
+    def resident_parts(self, phase: Phase) -> list[str]:
+        kept = self.kept()
+        actor_all = ["actor_params", "actor_grads", "actor_optimizer", "activations"]
+        by_phase = {
+            Phase.ROLLOUT: ["rollout_weights", "kv_cache", *kept],
+            Phase.IDLE: kept,
+            Phase.ACTOR: actor_all,
+            Phase.ACTOR_PARAMS: ["actor_params", *[k for k in kept if k != "actor_params"]],
+            Phase.SYNC: ["actor_params", *[k for k in kept if k != "actor_params"], "rollout_weights",
+                         "sync_buckets"],
+            Phase.ROLLOUT_WEIGHTS: ["rollout_weights", *kept],
+        }
+        if not self.colocated:  # each pool owns its GPUs: the actor's hold all of it, always
+            by_phase = {p: (actor_all + ["sync_buckets"] if p in (Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC)
+                            else ["rollout_weights", "kv_cache"]) for p in Phase}
+        return [*by_phase[phase], "runtime"]
 
     def resident(self, phase: Phase) -> int:
-        return sum(self.parts.get(p, 0) for p in RESIDENT[phase])
+        return sum(self.parts.get(p, 0) for p in self.resident_parts(phase))
+
+    def overflow(self) -> Optional[Phase]:
+        """The first phase (in cycle order) that exceeds the capacity, or None."""
+        if not self.capacity:
+            return None
+        return next((p for p in CYCLE if self.resident(p) > self.capacity), None)
 
     def check(self, phase: Phase) -> None:
         need = self.resident(phase)
         if self.capacity and need > self.capacity:
-            detail = ", ".join(f"{p} {self.parts.get(p, 0) / 2**30:.2f}" for p in RESIDENT[phase])
+            detail = ", ".join(f"{p} {self.parts.get(p, 0) / GiB:.2f}" for p in self.resident_parts(phase))
             raise MemoryOverflow(
-                f"phase '{phase.value}' would need {need / 2**30:.2f} GiB of {self.capacity / 2**30:.2f} GiB "
-                f"on the device ({detail} GiB)"
-            )
+                f"phase '{phase.value}' would need {need / GiB:.2f} GiB of {self.capacity / GiB:.2f} GiB "
+                f"on the device ({detail} GiB)")
 
     def peaks(self) -> dict[str, int]:
         return {p.value: self.resident(p) for p in Phase}
 
     def unstaged_peak(self) -> int:
         """What waking vLLM's weights and KV cache at once, with the actor's params still resident, would need."""
-        return sum(self.parts.get(p, 0) for p in ("actor_params", "rollout_weights", "kv_cache", "sync_buckets"))
+        return sum(self.parts.get(p, 0) for p in ("actor_params", "rollout_weights", "kv_cache", "sync_buckets",
+                                                   "runtime"))
+
+    def table(self, measured: Optional[dict[str, int]] = None) -> str:
+        """The plan as printed at start: one line per part, then per phase (and measured, when given)."""
+        cap = f"{self.capacity / GiB:.1f} GiB" if self.capacity else "unchecked (CPU)"
+        lines = [f"memory plan per GPU (capacity {cap}; actor parts offloaded while vLLM runs: "
+                 f"{', '.join(self.offload) or 'none'}):"]
+        lines.append("  parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items()) + " GiB")
+        phases = CYCLE if self.colocated else (Phase.ACTOR, Phase.ROLLOUT)
+        for p in phases:
+            need = self.resident(p)
+            mark = "  OVER" if self.capacity and need > self.capacity else ""
+            got = f"   measured {measured[p.value] / GiB:7.2f}" if measured and p.value in measured else ""
+            where = "" if self.colocated else (" (actor GPUs)" if p == Phase.ACTOR else " (rollout GPUs)")
+            lines.append(f"  {p.value:<16}{need / GiB:8.2f} GiB{where}{got}{mark}")
+        if self.host_per_node:
+            lines.append(f"  host memory per node for offloaded state: {self.host_per_node / GiB:.1f} GiB")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
 
-class Handoff:
-    """The state machine. ``to(phase)`` checks legality and memory, then records the entry time;
-    ``measure`` (optional) returns the device's bytes in use, recorded at each boundary."""
+# ---------------------------------------------------------------- the estimate
 
-    def __init__(self, plan: MemoryPlan | None = None, start: Phase = Phase.ROLLOUT, measure=None):
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
+    """Predicted bytes per GPU. ``cfg`` the run's Config, ``layout`` its config.Layout, ``size``
+    models.registry.ModelSize, ``capacity``
+    bytes of one GPU (0 = unchecked). The estimate is deliberately simple and says so; a real run
+    records the measured bytes next to it (handoff.Handoff.measured)."""
+    a, r = cfg.actor, cfg.rollout
+    pb = _DTYPE_BYTES[cfg.model.dtype]
+    tp, pp, ep, dp = layout.tp, layout.pp, layout.ep, layout.dp
+    dense = size.total - size.experts
+    per_gpu = dense / (tp * pp) + size.experts / (ep * pp)
+    parts: dict[str, int] = {"actor_params": int(per_gpu * pb), "actor_grads": int(per_gpu * 4)}
+    # Adam: fp32 master weights (unless the model is fp32) + two moments.
+    moment = 2 if getattr(a, "optimizer_state_dtype", "float32") == "bfloat16" else 4
+    opt_per_param = (0 if pb == 4 else 4) + 2 * moment
+    shard = dense / (tp * pp) / (dp if a.distributed_optimizer else 1) + \
+        size.experts / (ep * pp) / (max(tp * dp // ep, 1) if a.distributed_optimizer else 1)
+    opt_bytes = int(shard * opt_per_param)
+    on_host = bool(getattr(a, "optimizer_cpu_offload", False))
+    parts["actor_optimizer"] = 0 if on_host else opt_bytes
+    # Activations of one micro-batch per pipeline stage in flight (Korthikanti et al.: ~34·s·b·h bytes
+    # per layer in 16-bit, split by TP; full recompute keeps ~2·s·b·h per layer plus one whole layer),
+    # plus the fp32 logits and their gradient (s·b·V/tp each).
+    s = cfg.data.max_prompt_tokens + r.max_response_tokens
+    b = a.micro_batch_size
+    layers = size.layers / pp
+    per_layer = 34 * s * b * size.hidden / tp
+    if size.experts and size.topk:  # routed MLP activations grow with top-k x expert width
+        per_layer += 4 * s * b * size.topk * size.moe_intermediate / tp
+    act = (layers * 2 * s * b * size.hidden + per_layer) if a.recompute else layers * per_layer
+    parts["activations"] = int(act * min(pp, 2) + 8 * s * b * size.vocab / tp)
+    # vLLM: weights split over the engine's TP group; it takes gpu_memory_utilization of the card for
+    # weights, activations and KV cache (or weights + the explicit KV budget).
+    wbytes = 1 if r.weight_quantization == "fp8" else pb
+    parts["rollout_weights"] = int(size.total * wbytes / max(layout.engine_tp, 1))
+    if r.kv_cache_memory_mb:
+        parts["kv_cache"] = r.kv_cache_memory_mb * 2**20
+    else:
+        parts["kv_cache"] = max(int(r.gpu_memory_utilization * capacity) - parts["rollout_weights"], 0)
+    parts["sync_buckets"] = int(r.sync_bucket_mb * 2**20 + size.largest * pb)
+    # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU).
+    parts["runtime"] = ((2 if layout.colocated else 1) * GiB) if capacity else 0
+    notes = []
+    if capacity and not r.kv_cache_memory_mb and parts["kv_cache"] == 0:
+        notes.append(f"vLLM's share (rollout.gpu_memory_utilization={r.gpu_memory_utilization}) does not even "
+                     "hold its weights")
+    plan = MemoryPlan(capacity=capacity, parts=parts, colocated=layout.colocated, notes=notes)
+    choices = {"all": [OFFLOAD_CHOICES[-1]], "none": [()], "auto": list(OFFLOAD_CHOICES)}[a.offload]
+    if a.offload == "auto" and not capacity:
+        choices = [()]  # CPU: host memory is the only memory; moving it would only cost copies
+    for offload in choices:
+        plan.offload = offload
+        if not layout.colocated or plan.overflow() is None:
+            break
+    gpus_per_node = max(layout.gpus_per_node, 1)
+    host = sum(parts[ACTOR_PARTS[p]] for p in plan.offload if p != "grads") if layout.colocated else 0
+    plan.host_per_node = int((host + (opt_bytes if on_host else 0)) * gpus_per_node)
+    return plan
+
+
+def plan_error(plan: MemoryPlan, what: str) -> Optional[str]:
+    """One line naming the phase that does not fit (None when every phase fits)."""
+    phase = plan.overflow()
+    if phase is None:
+        return None
+    need = plan.resident(phase)
+    top = sorted(((plan.parts.get(p, 0), p) for p in plan.resident_parts(phase)), reverse=True)[:3]
+    return (f"{what}: phase '{phase.value}' needs {need / GiB:.1f} GiB per GPU of {plan.capacity / GiB:.1f} GiB "
+            f"(largest: {', '.join(f'{p} {n / GiB:.1f}' for n, p in top)}; actor parts offloaded: "
+            f"{', '.join(plan.offload) or 'none'})")
+
+
+# ---------------------------------------------------------------- the phase state machine
+
+
+class PhaseMachine:
+    """Current owner of the device. ``to(phase)`` checks legality and the plan, then records the
+    entry time and (with ``measure``: bytes in use on the device) the measured memory."""
+
+    def __init__(self, plan: MemoryPlan | None = None, start: Phase = Phase.ROLLOUT,
+                 measure: Optional[Callable[[], int]] = None):
         self.phase = start
         self.plan = plan or MemoryPlan()
         self.measure = measure
         self.history: list[tuple[Phase, float, int]] = [(start, time.perf_counter(), self._used())]
 
     def _used(self) -> int:
-        return int(self.measure()) if self.measure else 0
+        return int((self.measure() if self.measure else 0) or 0)
 
     def to(self, phase: Phase) -> None:
         if (self.phase, phase) not in TRANSITIONS:
-            legal = [b.value for (a, b) in TRANSITIONS if a == self.phase]
+            nxt = next(b for (a, b) in TRANSITIONS if a == self.phase)
             raise IllegalTransition(
                 f"cannot go from '{self.phase.value}' to '{phase.value}': the GPU owner after "
-                f"'{self.phase.value}' is {legal[0]!r} (via {TRANSITIONS[(self.phase, Phase(legal[0]))]})"
-            )
+                f"'{self.phase.value}' is '{nxt.value}'")
         self.plan.check(phase)
+        self.phase = phase
+        self.history.append((phase, time.perf_counter(), self._used()))
+
+    def reset(self, phase: Phase) -> None:
+        """After an engine was replaced: the device is in ``phase`` whatever the cycle said."""
         self.phase = phase
         self.history.append((phase, time.perf_counter(), self._used()))
 

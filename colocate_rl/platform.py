@@ -45,6 +45,19 @@ def visible_devices_env(ids: list[int] | tuple[int, ...]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": v, "HIP_VISIBLE_DEVICES": v}
 
 
+def gpus_present() -> bool:
+    """A GPU driver is on this machine (NVIDIA or AMD), found without initialising CUDA/HIP: after
+    that, hiding the GPUs from this process (``hide_gpus``) would be too late."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+
+
+def hide_gpus() -> None:
+    """This process and its children see no GPU (placement.gpus_per_node=0 on a machine that has
+    some). Must run before anything initialises CUDA/HIP. An invalid first index hides every device
+    on both stacks."""
+    os.environ.update({"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1"})
+
+
 def setup_platform() -> str:
     """Call before building Megatron modules: patches megatron-core for CPU when there is no GPU."""
     k = kind()

@@ -6,8 +6,8 @@
 
 Some settings of the published run have no config field yet. NEEDS lists them per preset as
 (capability, config field, value): while a field is missing the preset stops in one line naming
-what is missing, before anything loads; once the field exists the value is applied. A preset never
-runs a quietly different setup.
+what is missing, before anything loads (``dry_run=true`` still prints its memory plan); once the
+field exists the value is applied. A preset never runs a quietly different setup.
 """
 
 import sys
@@ -71,10 +71,13 @@ def missing(preset: str) -> list[str]:
     return gaps
 
 
+def gaps(cfg: Config) -> str:
+    """'' when colocate_rl has everything the preset needs, else one line naming what it lacks."""
+    lacking = missing(cfg.preset)
+    return f"preset {cfg.preset} needs what colocate_rl does not have yet: {'; '.join(lacking)}" if lacking else ""
+
+
 def config(preset: str = "tiny") -> Config:
-    gaps = missing(preset)
-    if gaps:
-        raise SystemExit(f"error: preset {preset} needs what colocate_rl does not have yet: {'; '.join(gaps)}")
     cfg = preset_config(PRESETS, preset, recipe="dsv4_flash_grpo")
     for _, field, value in NEEDS.get(preset, []):
         *path, leaf = field.split(".")
@@ -86,4 +89,4 @@ def config(preset: str = "tiny") -> Config:
 
 
 if __name__ == "__main__":
-    main(config, sys.argv[1:])
+    main(config, sys.argv[1:], gaps=gaps)

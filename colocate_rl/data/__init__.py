@@ -2,6 +2,6 @@
 
 from colocate_rl.data.arithmetic import arithmetic_problems
 from colocate_rl.data.prompts import PromptDataset, load_prompts
-from colocate_rl.data.sampler import PromptSampler
+from colocate_rl.data.sampler import PromptSampler, sft_batch
 
-__all__ = ["PromptDataset", "PromptSampler", "arithmetic_problems", "load_prompts"]
+__all__ = ["PromptDataset", "PromptSampler", "arithmetic_problems", "load_prompts", "sft_batch"]

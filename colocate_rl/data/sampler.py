@@ -1,12 +1,14 @@
-"""Batches of prompts in a seeded order, with a cursor that a checkpoint can save and restore."""
+"""Batches of prompts in a seeded order, with a cursor that a checkpoint can save and restore; the
+rows of a supervised warm-start."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import random
+from typing import Any, Sequence
 
 import torch
 
-from colocate_rl.types import Sample
+from colocate_rl.types import RolloutBatch, Sample
 
 
 class PromptSampler:
@@ -38,10 +40,12 @@ class PromptSampler:
     def __next__(self) -> list[Sample]:
         return self.next_batch()
 
-    def next_batch(self) -> list[Sample]:
+    def next_batch(self, size: int | None = None) -> list[Sample]:
+        """The next ``size`` samples (default batch_size)."""
+        size = self.batch_size if size is None else size
         batch: list[Sample] = []
-        while len(batch) < self.batch_size:
-            take = self.order(self.epoch)[self.index : self.index + self.batch_size - len(batch)]
+        while len(batch) < size:
+            take = self.order(self.epoch)[self.index : self.index + size - len(batch)]
             batch += [self.dataset[i] for i in take]
             self.index += len(take)
             if self.index == len(self.dataset):
@@ -55,3 +59,13 @@ class PromptSampler:
         if not 0 <= state["index"] < len(self.dataset):
             raise ValueError(f"sampler state {state} does not fit a dataset of {len(self.dataset)} prompts")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def sft_batch(samples: Sequence[Sample], tokenizer: Any, size: int, seed: int) -> RolloutBatch:
+    """Prompt + label + EOS rows for a supervised warm-start (the loss covers label and EOS): ``size``
+    samples drawn with ``seed``."""
+    rng = random.Random(seed)
+    rows = rng.sample(list(samples), min(size, len(samples)))
+    eos = tokenizer.eos_token_id
+    answers = [tokenizer(s.label, add_special_tokens=False).input_ids + [eos] for s in rows]
+    return RolloutBatch.from_rows([s.prompt_ids for s in rows], answers, rows, tokenizer.pad_token_id)

@@ -194,6 +194,17 @@ def params(hf: dict) -> list[ParamSpec]:
     return out
 
 
+def verify_names(hf: dict) -> list[str]:
+    """vLLM keeps these unfused: embeddings and output layer (vocabulary-sharded under TP), the final
+    and first layer's norms. (A MoE router is repacked by vLLM's CPU linears: its copy cannot be read.)"""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+             "model.layers.0.post_attention_layernorm.weight"]
+    if not hf.get("tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    return names
+
+
 for _name, _types in (("qwen3", ("qwen3",)), ("qwen3_moe", ("qwen3_moe",))):
     register(Family(name=_name, model_types=_types, transformer_config=transformer_config, layer_spec=layer_spec,
-                    model_kwargs=model_kwargs, params=params, check_parallel=check_parallel))
+                    model_kwargs=model_kwargs, params=params, check_parallel=check_parallel,
+                    verify_names=verify_names))

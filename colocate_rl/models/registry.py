@@ -10,7 +10,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
@@ -50,6 +50,54 @@ class Family:
     # blocks do not fit GPTModel's TransformerBlock (DeepSeek-V4's hc_mult residual streams);
     # None builds a GPTModel from layer_spec and model_kwargs.
     build: Optional[Callable] = None
+    # hf_config -> exported tensor names that engines keep unfused and unpacked (embeddings, norms,
+    # the output layer, a router): the ones whose copy inside an engine can be checksummed after a
+    # sync (weight_sync.verify). Empty would verify nothing, so every family must name some.
+    verify_names: Callable[[dict], list[str]] = lambda hf: []
+    # (model folder, dtype) -> the transformers model of this checkpoint: the reference in parity
+    # checks and the sampler of rollout.backend=transformers. None: AutoModelForCausalLM.
+    hf_model: Optional[Callable] = None
+    # (that model's named parameters and buffers, exported name) -> the tensor (or view) holding it,
+    # for families whose transformers layout differs from the exported one. None: the same name.
+    hf_tensor: Optional[Callable] = None
+
+
+def load_hf_model(path: str, dtype) -> Any:
+    """transformers' model of the checkpoint at ``path`` (Family.hf_model)."""
+    fam = family_for(read_hf_config(path))
+    if fam.hf_model is not None:
+        return fam.hf_model(path, dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of the full model, from its config alone (``model_size``): what the memory
+    plan is built from before anything loads."""
+
+    total: int
+    experts: int  # routed-expert parameters (split by expert parallelism)
+    hidden: int
+    layers: int
+    vocab: int
+    largest: int  # elements of the largest single tensor (gathered whole for a sync)
+    moe_intermediate: int = 0
+    topk: int = 0
+
+
+def model_size(hf: dict) -> ModelSize:
+    """Counts every exported parameter of the family's full model (no weights read)."""
+    import math
+
+    specs = family_for(hf).params(hf)
+    sizes = [(math.prod(s.shape), s.expert is not None) for s in specs if s.export]
+    return ModelSize(
+        total=sum(n for n, _ in sizes), experts=sum(n for n, e in sizes if e), hidden=int(hf["hidden_size"]),
+        layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
+        moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
+        topk=int(hf.get("num_experts_per_tok") or 0))
 
 
 _FAMILIES: dict[str, Family] = {}

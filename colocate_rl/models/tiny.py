@@ -53,6 +53,23 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
     ),
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, tie_word_embeddings=True, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, tie_word_embeddings=False, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, tie_word_embeddings=False, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     "qwen3-moe-small": dict(
         model_type="qwen3_moe", vocab_size=151936, tie_word_embeddings=False, hidden_size=1024,
         intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -68,6 +85,25 @@ SHAPES: dict[str, dict] = {
     # names: a window-only, a C4 (indexer) and a C128 layer, two hash-routed layers, mHC with 4 streams.
     "deepseek-v4-tiny": _dsv4_tiny(),
 }
+
+# Published models whose config is known without the hub: the memory plan of a preset naming a hub
+# id is computed from it (dry_run=true on any machine).
+HUB_SHAPES = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-4B": "qwen3-4b", "Qwen/Qwen3-8B": "qwen3-8b",
+              "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "deepseek-ai/DeepSeek-V4-Flash": "deepseek-v4-flash"}
+
+
+def known_config(path: str) -> dict:
+    """The HF config of a local model folder, of a shape named in SHAPES, or of a published model in
+    HUB_SHAPES; {} when none is known (a hub id resolved later by the engines)."""
+    p = Path(path) / "config.json"
+    if p.is_file():
+        return json.loads(p.read_text())
+    shape = HUB_SHAPES.get(path, path)
+    if shape == "deepseek-v4-flash":
+        from colocate_rl.models.deepseek_v4.synth import FLASH
+
+        return json.loads(json.dumps(FLASH))
+    return dict(SHAPES.get(shape, {}))
 
 
 def _corpus() -> list[str]:

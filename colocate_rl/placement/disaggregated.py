@@ -29,14 +29,15 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colocate_rl import platform
-from colocate_rl.config import Config, ConfigError, actor_world_size
+from colocate_rl.config import Config, layout
+from colocate_rl.handoff import DisaggregatedHandoff
 from colocate_rl.placement.ray_colocated import ActorGroup, _free_port, _Host, start_ray
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
@@ -53,20 +54,13 @@ class Pools:
 
 
 def pools(cfg: Config) -> Pools:
-    """The two pools' bundles; ConfigError naming the field when the rollout pool does not split
-    into rollout.num_engines engines of rollout.tensor_parallel_size GPUs."""
-    pl, r = cfg.placement, cfg.rollout
-    tp, engines = r.tensor_parallel_size, r.num_engines
-    if pl.gpus_per_node == 0:
-        return Pools([{"CPU": 1.0}] * actor_world_size(cfg), [{"CPU": 1.0}] * engines, 0)
-    rollout_gpus = pl.rollout_nodes * pl.gpus_per_node if pl.nnodes > 1 else pl.gpus_per_node - pl.actor_gpus
-    if tp > pl.gpus_per_node:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} exceeds placement.gpus_per_node={pl.gpus_per_node}: "
-                          "an engine's TP group stays on one node")
-    if engines * tp != rollout_gpus:
-        raise ConfigError(f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} must equal the "
-                          f"{rollout_gpus} rollout GPUs (set rollout.num_engines={max(rollout_gpus // tp, 1)})")
-    return Pools([{"GPU": 1.0, "CPU": 1.0}] * actor_world_size(cfg), [{"GPU": float(tp), "CPU": 1.0}] * engines, tp)
+    """The two pools' bundles (config.layout has checked that the rollout GPUs split into
+    rollout.num_engines engines of rollout.tensor_parallel_size GPUs)."""
+    lay = layout(cfg)
+    if not lay.on_gpu:
+        return Pools([{"CPU": 1.0}] * lay.actor_gpus, [{"CPU": 1.0}] * lay.engines, 0)
+    return Pools([{"GPU": 1.0, "CPU": 1.0}] * lay.actor_gpus, [{"GPU": float(lay.engine_tp), "CPU": 1.0}] * lay.engines,
+                 lay.engine_tp)
 
 
 def _pin_assigned_gpus() -> dict[str, str]:
@@ -116,10 +110,6 @@ class TrainerRank(_Host):
             return SyncStats()
         return self.group.send(pack(quantize_named(weights, set(fp8)), bucket_mb))
 
-    def checksums(self) -> dict[str, float]:
-        from colocate_rl.weight_sync.verify import verifiable_checksums
-
-        return verifiable_checksums(self.obj.export_hf_weights())
 
 
 @ray.remote
@@ -129,9 +119,9 @@ class EngineHost(_Host):
     def __init__(self, cfg: Config, env: dict[str, str], authkey: bytes):
         _pin_assigned_gpus()
         super().__init__(env, authkey)
-        from colocate_rl.rollout import RolloutEngine
+        from colocate_rl.rollout.base import make_rollout
 
-        self.obj = RolloutEngine(cfg, cfg.model.path)
+        self.obj = make_rollout(cfg)
 
     def num_workers(self) -> int:
         return self.obj.num_workers
@@ -162,6 +152,7 @@ class RayDisaggregated:
     members: list | None = None  # engines of the current broadcast group
     pids: list = field(default_factory=list)  # each engine's process (its Ray actor)
     restarts: int = 0
+    handoff_class = DisaggregatedHandoff
 
     # ------------------------------------------------------------ engines
 
@@ -234,20 +225,41 @@ class RayDisaggregated:
         return stats
 
     def verify(self) -> int:
-        """Every engine's checksums of a few tensors equal actor rank 0's; returns how many were checked."""
+        """Every engine's checksums equal actor rank 0's; returns how many tensors were compared."""
         from colocate_rl.weight_sync.verify import compare
 
-        sums = ray.get(self.actor.submit("checksums"))[0]
+        sums = self.actor.weight_checksums()
         for e, host in enumerate(self.hosts):
             compare(sums, ray.get(host.call.remote("checksum", list(sums))), who=f"actor (engine {e})")
         return len(sums)
+
+    def restart_rollout(self) -> None:
+        """Engines that died while idle are replaced (the router replaces those lost mid-generation)."""
+        self._revive_dead()
+
+    def drain(self) -> None:
+        self.buffer.drain()
+
+    def make_buffer(self, handoff: Any) -> RolloutBuffer:
+        return self.buffer
+
+    def device_used(self) -> Optional[int]:
+        return None  # each pool's GPUs are its own: the plan's per-pool figures are not measured here
 
     def engine_checksums(self, names: list[str]) -> list[dict[str, float]]:
         return ray.get([h.call.remote("checksum", list(names)) for h in self.hosts])
 
     def kill_engine(self, i: int) -> None:
-        """SIGKILL engine i's process (fault drills): the router finds out on its next result."""
-        os.kill(self.pids[i], signal.SIGKILL)
+        """SIGKILLs engine i's process and waits until it is gone (fault drills): the router finds out
+        from its next call."""
+        import psutil
+
+        try:
+            victim = psutil.Process(self.pids[i])
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(timeout=60)
+        except psutil.NoSuchProcess:
+            pass
 
     # ------------------------------------------------------------ lifetime
 

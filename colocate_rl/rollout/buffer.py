@@ -1,9 +1,16 @@
-"""The data buffer between rollout and training (disaggregated mode).
+"""The data buffer between rollout and training: where the loop takes each step's batch.
 
-``request(samples, version)`` starts producing one step's batch in a background thread and returns
-at once; ``get()`` hands the oldest produced batch to training with the weights version it was
-generated with, so the loop can run generation of step k+1 while step k trains (one-step
-off-policy) and report the staleness (trainer version − rollout version).
+``request(samples, version, seed, cursor)`` asks for one step's batch; ``get()`` hands the oldest
+request's batch to training with the weights version it was generated with (the loop reports the
+staleness: trainer version − rollout version). ``cursor`` is the prompt sampler's state before the
+request drew its prompts: a checkpoint taken while a request is pending records that state
+(``cursor()``), so a resumed run draws the same prompts again instead of skipping them.
+
+Two kinds, one interface:
+- ``RolloutBuffer`` (disaggregated) produces in a background thread from the moment of the request,
+  so step k+1 can generate while step k trains (one-step off-policy);
+- ``ImmediateBuffer`` (colocated: the engine shares the device with the actor) generates inside
+  ``get()``, when the device is the engine's.
 
 What produces a batch is the router's ``generate``, or a user's rollout function named in
 ``rollout.custom_fn`` as ``"pkg.module:function"`` (as ``reward.name`` names a reward):
@@ -20,9 +27,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Optional
 
 from colocate_rl.config import import_function
 from colocate_rl.types import RolloutBatch, Sample
@@ -43,43 +51,87 @@ class Produced:
     metrics: dict[str, float]
 
 
-class RolloutBuffer:
-    """FIFO of batches being produced or ready; one producer thread, so requests run in order."""
+@dataclass
+class _Request:
+    samples: list[Sample]
+    version: int
+    seed: Optional[int]
+    cursor: Any
+
+
+class _Buffer:
+    """What both kinds share: the production of one request (the plain generate call, or the
+    user's rollout function) and the FIFO of requests with their sampler cursors."""
 
     def __init__(self, generate: Generate, rollout_fn: RolloutFn | None = None,
                  metrics: Callable[[], dict[str, float]] = dict) -> None:
         self.generate, self.rollout_fn, self._metrics = generate, rollout_fn, metrics
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self._queue: deque[Future] = deque()
+        self._queue: deque[tuple[_Request, Any]] = deque()
 
-    def _produce(self, samples: list[Sample], version: int) -> Produced:
+    def _produce(self, req: _Request) -> Produced:
+        gen = self.generate if req.seed is None else partial(self.generate, seed=req.seed)
         if self.rollout_fn is None:
-            batch = self.generate(samples)
+            batch = gen(req.samples)
         else:
-            batch = self.rollout_fn(list(samples), self.generate)
+            batch = self.rollout_fn(list(req.samples), gen)
             if not isinstance(batch, RolloutBatch):
                 raise TypeError(f"rollout.custom_fn returned {type(batch).__name__}, expected a RolloutBatch")
-        return Produced(batch, version, dict(self._metrics()))
-
-    def request(self, samples: list[Sample], version: int) -> None:
-        self._queue.append(self._pool.submit(self._produce, samples, version))
+        return Produced(batch, req.version, dict(self._metrics()))
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def cursor(self) -> Any:
+        """The sampler state before the oldest pending request drew its prompts (None: none pending)."""
+        return self._queue[0][0].cursor if self._queue else None
+
+    def close(self) -> None:
+        self._queue.clear()
+
+
+class RolloutBuffer(_Buffer):
+    """Produces in one background thread from the moment of the request, in request order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None:
+        req = _Request(list(samples), version, seed, cursor)
+        self._queue.append((req, self._pool.submit(self._produce, req)))
 
     def get(self) -> Produced:
         """The oldest request's batch (waits for it); re-raises what its production raised."""
         if not self._queue:
             raise RuntimeError("RolloutBuffer.get: nothing requested")
-        return self._queue.popleft().result()
+        return self._queue.popleft()[1].result()
 
     def drain(self) -> None:
         """Waits for every request still running (e.g. before a weight sync), keeping the results queued."""
-        for f in list(self._queue):
+        for _, f in list(self._queue):
             f.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
 
 
-__all__ = ["Produced", "RolloutBuffer", "load_rollout_fn"]
+class ImmediateBuffer(_Buffer):
+    """Generates inside ``get()``: for an engine that shares its device with the actor."""
+
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None:
+        self._queue.append((_Request(list(samples), version, seed, cursor), None))
+
+    def get(self) -> Produced:
+        if not self._queue:
+            raise RuntimeError("ImmediateBuffer.get: nothing requested")
+        req, _ = self._queue[0]
+        out = self._produce(req)
+        self._queue.popleft()  # only once produced: a failed production leaves its cursor in place
+        return out
+
+    def drain(self) -> None:
+        pass  # nothing runs between calls
+
+
+__all__ = ["ImmediateBuffer", "Produced", "RolloutBuffer", "load_rollout_fn"]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from colocate_rl.config import Config
+from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats, WeightSyncError
 
@@ -70,11 +71,6 @@ def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
         return None
 
 
-class EngineDied(RuntimeError):
-    """vLLM's engine process is gone (killed, crashed, out of memory): this engine cannot be used
-    again; build a new one and sync the weights into it."""
-
-
 def _dead(e: BaseException) -> bool:
     from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -83,8 +79,10 @@ def _dead(e: BaseException) -> bool:
 
 def _watch_engine_death(client: Any) -> None:
     """vLLM's synchronous multiprocess client marks the engine dead when its process exits, but a
-    generate() already waiting on the output queue is never told (the async client is): it would
-    block forever. A daemon thread hands that waiter the EngineDeadError."""
+    call already waiting is never told (the async client is): a generate() waiting on the output
+    queue, or a utility call (collective_rpc: sleep, wake, the weight sync) waiting on its future,
+    would block forever. A daemon thread hands every such waiter the EngineDeadError. A call made
+    after the flag is set fails at once (vLLM checks it before sending)."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
@@ -97,6 +95,9 @@ def _watch_engine_death(client: Any) -> None:
                 return  # shut down on purpose
             time.sleep(0.2)
         outputs.put_nowait(EngineDeadError())
+        for future in list(getattr(client, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
 
     threading.Thread(target=watch, daemon=True, name="crl-engine-death-watch").start()
 
@@ -190,7 +191,7 @@ class RolloutEngine:
         except WeightSyncError:
             raise
         except Exception as e:
-            if _dead(e):
+            if _dead(e) or self._client_dead():
                 raise EngineDied(f"vLLM engine died during {method}: {e}") from e
             m = _WORKER_ERROR.search(str(e))
             text = m and (m.group(1) or m.group(2) or "").strip()
@@ -229,7 +230,7 @@ class RolloutEngine:
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False) if samples else []
         except Exception as e:
-            if _dead(e):
+            if _dead(e) or self._client_dead():
                 raise EngineDied(f"vLLM engine died during generation of {len(samples)} prompts: {e}") from e
             raise
         return self._to_batch(samples, outputs, n)
@@ -254,12 +255,26 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ memory
 
+    def _client_dead(self) -> bool:
+        """vLLM's client marks its engine dead, then closes its sockets: a call racing that shutdown
+        fails with a socket error (zmq ENOTSOCK) instead of EngineDeadError, by then the flag is set."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
+
+    def ping(self) -> None:
+        """Raises EngineDied when the engine's process is gone."""
+        self._rpc("worker_pid")
+
     def _no_sleep(self) -> bool:
+        """Without a sleep mode (CPU) sleep and wake free nothing; they still check the engine is
+        alive, so an engine that died is found at the phase where it died, not one phase later."""
         if self.supports_sleep:
             return False
         if not self._warned_sleep:
-            log.info("vLLM has no sleep mode on this platform (CPU): sleep/wake do nothing")
+            log.info("vLLM has no sleep mode on this platform (CPU): sleep/wake only check the engine is alive")
             self._warned_sleep = True
+        if self.multiprocess:  # an in-process engine is alive as long as this process is
+            self.ping()
         return True
 
     def sleep(self, level: int | None = None) -> None:

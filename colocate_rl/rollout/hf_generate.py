@@ -11,14 +11,14 @@ side (re-scoring, GRPO steps, weight export) is the same as with vLLM.
 Samples are drawn prompt by prompt (n copies of one prompt need no padding, and DeepSeek-V4's
 compressor ignores attention masks); logprobs are of the sampling distribution (logits divided by
 the temperature, after top-p), as vLLM reports them with processed_logprobs. Weights arrive as
-the actor exports them (official DeepSeek-V4 names, HF names otherwise) and are copied in place.
+the actor exports them and are copied in place; the model family says which transformers tensor
+holds an exported name (``Family.hf_tensor``) and how to build the model (``Family.hf_model``).
 One process, no sleep mode.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -26,30 +26,24 @@ from typing import Any, Iterable, Optional
 import torch
 
 from colocate_rl.config import Config
+from colocate_rl.models.registry import family_for, load_hf_model
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import SyncStats
 from colocate_rl.weight_sync.verify import tensor_checksum
-
-_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
 class TransformersRollout:
     supports_sleep = False
     asleep = False
+    num_workers = 1
 
     def __init__(self, cfg: Config, model_path: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg, self.model_path = cfg, model_path
         self.dtype = getattr(torch, cfg.model.dtype)
-        hf = json.loads((Path(model_path) / "config.json").read_text())
-        self.official = hf.get("model_type") == "deepseek_v4"
-        if self.official:
-            from colocate_rl.models.deepseek_v4.synth import transformers_model
-
-            self.model = transformers_model(model_path, self.dtype)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.family = family_for(json.loads((Path(model_path) / "config.json").read_text()))
+        self.model = load_hf_model(model_path, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
         gen = Path(model_path) / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else self.tokenizer.eos_token_id
@@ -104,24 +98,16 @@ class TransformersRollout:
     def wake(self, tags: list[str] | None = None) -> None:
         pass
 
+    def ping(self) -> None:
+        pass  # it lives in this process: alive as long as the caller is
+
     # ------------------------------------------------------------ weights
 
     def _target(self, name: str) -> torch.Tensor:
-        """The tensor (or the slice of a stacked expert tensor) that holds exported ``name``."""
-        if not self.official:
+        """The tensor (or view of a stacked one) that holds exported ``name``."""
+        if self.family.hf_tensor is None:
             return self._params[name]
-        from colocate_rl.models.deepseek_v4.weights import transformers_name
-
-        m = _EXPERT.match(name)
-        if m is None:
-            return self._params[transformers_name(name)]
-        layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
-        p = f"model.layers.{layer}.mlp.experts."
-        if w == "w2":
-            return self._params[p + "down_proj"][e]
-        gate_up = self._params[p + "gate_up_proj"][e]
-        half = gate_up.shape[0] // 2
-        return gate_up[:half] if w == "w1" else gate_up[half:]
+        return self.family.hf_tensor(self._params, name)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
@@ -139,10 +125,6 @@ class TransformersRollout:
 
     def checksum(self, names: list[str]) -> dict[str, float]:
         return {n: tensor_checksum(self._target(n)) for n in names}
-
-    @property
-    def num_workers(self) -> int:
-        return 1
 
     def shutdown(self) -> None:
         pass

@@ -34,6 +34,7 @@ from colocate_rl.trainer.distributed import init_model_parallel, init_process_gr
 from colocate_rl.trainer.logprobs import token_logprobs
 from colocate_rl.trainer.offload import HostOffload
 from colocate_rl.types import RolloutBatch
+from colocate_rl.weight_sync.verify import checksums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,20 +53,10 @@ class Actor:
         platform.setup_platform()
         self.hf_config = read_hf_config(cfg.model.path)
         self.family = family_for(self.hf_config)
-        self.family.check_parallel(self.hf_config, a.tp, a.pp, a.ep)
-        if cfg.model.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={cfg.model.dtype!r} is not one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[cfg.model.dtype]
-
+        # The layout was validated with the run's plan (colocate_rl.plan) before any process started.
         self.rank, world = init_process_group()
-        if world % (a.tp * a.pp):
-            raise ValueError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the world size {world}")
         self.dp = world // (a.tp * a.pp)
-        if a.dp and a.dp != self.dp:
-            raise ValueError(
-                f"actor.dp={a.dp} but the world of {world} ranks gives dp={self.dp} at tp={a.tp}, pp={a.pp}")
-        if (a.tp * self.dp) % a.ep:
-            raise ValueError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * self.dp}")
         init_model_parallel(a.tp, a.pp, a.ep, cfg.seed)
         from megatron.core import parallel_state as ps
 
@@ -415,3 +406,8 @@ class Actor:
         Needs only the parameters on the device (gradients and optimizer state may be offloaded)."""
         self._check_onloaded("params")
         return export_hf_weights(self.model.module, self.specs, dtype or self.dtype)
+
+    def weight_checksums(self) -> dict[str, float]:
+        """weight_sync.verify checksums of the tensors the model family names (Family.verify_names):
+        compared with an engine's after a sync. Collective (walks the whole export)."""
+        return checksums(self.export_hf_weights(), self.family.verify_names(self.hf_config))

@@ -26,25 +26,23 @@ class WeightMismatch(RuntimeError):
     pass
 
 
-# Tensors vLLM keeps unfused and unpacked (embeddings, final norm, lm_head, first layer's norms):
-# the ones whose checksum can be read inside the engine.
-VERIFIABLE = ("embed_tokens.weight", "model.norm.weight", "lm_head.weight", "layers.0.input_layernorm.weight",
-              "layers.0.post_attention_layernorm.weight")
+def checksums(named_tensors, names) -> dict[str, float]:
+    """Checksums of the tensors named in ``names`` (the model family's Family.verify_names) among
+    HF-named ones. Consumes the whole iterator: the actor's export is collective, every rank must
+    walk it to the end."""
+    want = set(names)
+    return {n: tensor_checksum(t) for n, t in named_tensors if n in want}
 
 
-def verifiable(names) -> list[str]:
-    return [n for n in names if n.endswith(VERIFIABLE)]
-
-
-def verifiable_checksums(named_tensors) -> dict[str, float]:
-    """Checksums of the verifiable tensors among HF-named ones. Consumes the whole iterator: the
-    actor's export is collective, every rank must walk it to the end."""
-    return {n: tensor_checksum(t) for n, t in named_tensors if n.endswith(VERIFIABLE)}
-
-
-def compare(actor: dict[str, float], engine: dict[str, float], who: str = "actor") -> None:
-    """Raises WeightMismatch naming the first tensor whose checksums differ (beyond float64 rounding)."""
+def compare(actor: dict[str, float], engine: dict[str, float], who: str = "actor") -> int:
+    """Raises WeightMismatch naming the first tensor whose checksums differ (beyond float64 rounding);
+    returns how many were compared. Comparing none is an error: a check that checks nothing passes
+    whatever the engine holds."""
+    if not actor:
+        raise WeightMismatch("weight verification compared no tensor: the model family names none of the "
+                             "exported tensors (models.registry.Family.verify_names)")
     for name, a in actor.items():
         e = engine.get(name)
         if e is None or abs(a - e) > 1e-9 + 1e-12 * abs(a):
             raise WeightMismatch(f"after the sync, '{name}' differs: {who} checksum {a!r}, engine {e!r}")
+    return len(actor)

@@ -2,6 +2,9 @@
 
 - a run of 4 steps, and the same run SIGKILLed in step 3 (after its step-2 checkpoint) and started
   again, give bit-identical metrics for every step (timings aside) and identical final weights;
+- under supervise.max_restarts, a run whose trainer process is SIGKILLed in step 3 (a fault drill at
+  that named phase) is started again by the supervisor from its step-2 checkpoint and finishes with
+  the same metrics as the uninterrupted run;
 - Ctrl-C (SIGINT) ends the current step cleanly and writes a checkpoint;
 - a checkpoint exports to an HF folder holding the trained weights.
 """
@@ -36,8 +39,8 @@ def command(model: Path, run_dir: Path, name: str, **over) -> list[str]:
     return [sys.executable, str(ROOT / "recipes/qwen3_grpo.py"), "preset=tiny", *(f"{k}={v}" for k, v in args.items())]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+def start(cmd: list[str], log: Path, **extra_env: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -75,7 +78,7 @@ def model_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model, tmp_path):
     model = tiny_model("qwen3-tiny")
-    logs = {n: tmp_path / f"{n}.log" for n in ("full", "killed", "resumed", "interrupted")}
+    logs = {n: tmp_path / f"{n}.log" for n in ("full", "killed", "resumed", "interrupted", "supervised")}
     full = start(command(model, tmp_path, "full"), logs["full"])
     killed = start(command(model, tmp_path, "killed"), logs["killed"])
     # Killed in step 3: right after the step-2 checkpoint is complete.
@@ -85,6 +88,9 @@ def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model
     finish(full, logs["full"])
 
     resumed = start(command(model, tmp_path, "killed"), logs["resumed"])
+    # The trainer kills itself (SIGKILL) when step 3 reaches its train phase, in the first attempt only.
+    supervised = start(command(model, tmp_path, "supervised", **{"supervise.max_restarts": "2"}), logs["supervised"],
+                       COLOCATE_RL_FAULT="kill@train:3")
     interrupted = start(command(model, tmp_path, "interrupted", steps="40", **{"checkpoint.every": "0"}),
                         logs["interrupted"])
     wait_for(tmp_path / "interrupted/metrics.jsonl", interrupted, logs["interrupted"])
@@ -103,6 +109,14 @@ def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model
         assert a[step] == b[step], f"step {step}: {set(a[step].items()) ^ set(b[step].items())}"
     assert "eval/accuracy" in a[4] and "train_rollout_logprob_abs_diff" in a[4]
     assert all(a[s]["grad_norm"] > 0 for s in (1, 2, 3, 4)), "every step must change the weights"
+    out = finish(supervised, logs["supervised"])
+    restarts = (tmp_path / "supervised/supervisor.log").read_text().splitlines()
+    assert len(restarts) == 1 and "restart 1/2: the run died (killed by SIGKILL) after step 2" in restarts[0], out
+    c = comparable(read(tmp_path / "supervised/metrics.jsonl"))
+    assert sorted(c) == [0, 1, 2, 3, 4]
+    for step in a:
+        assert a[step] == c[step], f"supervised, step {step}: {set(a[step].items()) ^ set(c[step].items())}"
+
     wa = model_weights(ck.step_dir(tmp_path / "full/checkpoints", 4), tmp_path)
     wb = model_weights(ck.step_dir(tmp_path / "killed/checkpoints", 4), tmp_path)
     assert wa.keys() == wb.keys() and len(wa) > 5

@@ -3,14 +3,12 @@
 - a reward that hangs, raises or returns NaN is counted and the step goes on;
 - NaN loss/gradients: the update is skipped and counted; after actor.max_nonfinite_in_row in a row
   the run stops with one line saying why;
-- the vLLM engine process killed mid-run: detected, rebuilt, re-synced, the prompts re-issued;
+- the vLLM engine process killed at each phase: detected, rebuilt, given the actor's weights, the
+  step goes on (same metrics as a run without faults);
 - a model folder without weights and a tokenizer that does not fit the model stop in one line.
 """
 
 from __future__ import annotations
-
-import threading
-import time
 
 import psutil
 import pytest
@@ -21,7 +19,7 @@ from colocate_rl.config import ConfigError
 from colocate_rl.metrics import read
 from colocate_rl.session import start_session
 
-from test_loop import tiny_cfg
+from test_loop import tiny_cfg  # noqa: E402 - same folder
 
 
 def test_reward_faults_are_counted_and_nan_updates_skipped_then_stop(tmp_path, tiny_model):
@@ -47,32 +45,73 @@ def engine_core() -> psutil.Process:
     return cores[0]
 
 
-# Slow: two multiprocess engine starts (~15-30 s each on 2 cores).
+class KillEngineAt:
+    """A fault hook: SIGKILLs the engine's process at each named point of a step, once, and waits
+    until it is gone, so the engine call of that phase is the one that finds it dead."""
+
+    def __init__(self, at: set[tuple[str, int]], find=engine_core):
+        self.at, self.find, self.killed = set(at), find, []
+
+    def __call__(self, name: str, step: int) -> None:
+        if (name, step) in self.at:
+            self.at.discard((name, step))
+            victim = self.find()
+            victim.kill()
+            victim.wait(timeout=60)
+            self.killed.append((name, step))
+
+
+def rows_of(path) -> dict[int, dict]:
+    rows = read(path)
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"a step's metrics row was written twice: {steps}"
+    return {r["step"]: r for r in rows}
+
+
+# Deterministic metrics of a step: what the samples, rewards and update were.
+SAME = ("reward/mean", "loss", "grad_norm", "rollout/response_len", "train_rollout_logprob_abs_diff")
+
+
+# Slow: eight multiprocess engine starts (~15-30 s each on 2 cores).
 @pytest.mark.slow
-def test_engine_killed_mid_generation_is_restarted_and_resynced(tmp_path, tiny_model, even_length_reward):
-    cfg = tiny_cfg(tmp_path, tiny_model, **{
-        "rollout.multiprocess": "true", "reward.name": even_length_reward, "actor.lr": "1e-3",
-        "rollout.max_response_tokens": "48", "data.max_prompt_tokens": "16"})
-    s = start_session(cfg)
+def test_engine_killed_at_every_phase_is_replaced_and_the_run_goes_on(tmp_path, tiny_model, even_length_reward):
+    """The engine process is killed at each named phase of a run (generate, sleep, wake(weights),
+    the sync, wake(kv_cache), eval generation, a checkpoint, a resume), each at a phase boundary, not
+    on a timer. Every time a new engine is built and given the actor's weights, and the step goes
+    on from where it was: the run's metrics equal those of a run nothing happened to."""
+    from colocate_rl import faults
+
+    over = {"reward.name": even_length_reward, "actor.lr": "1e-3", "rollout.max_response_tokens": "24",
+            "data.max_prompt_tokens": "16", "steps": "6", "eval.every": "3", "eval.sets": "[arithmetic]",
+            "checkpoint.every": "3", "rollout.verify_sync_every": "1", "rollout.max_engine_restarts": "1"}
+    loop.run(tiny_cfg(tmp_path / "calm", tiny_model, **over))
+    calm = rows_of(tmp_path / "calm" / "t" / "metrics.jsonl")
+
+    kills = {("generate", 2), ("sleep", 3), ("eval", 3), ("checkpoint", 3), ("wake_weights", 4), ("sync", 5),
+             ("wake_kv", 6)}
+    hook = KillEngineAt(kills)
+    remove = faults.on(hook)
     try:
-        loop.colocated_step(s, cfg)
-        s.step = 1
-        victim = engine_core()
-        killer = threading.Timer(0.3, victim.kill)  # SIGKILL while the step generates
-        killer.start()
-        m = loop.colocated_step(s, cfg)
-        killer.join()
-        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
-        assert m["rollout/engine_restarts"] == 1
-        assert m["train_rollout_logprob_abs_diff"] <= 1e-4, "the new engine samples with the actor's weights"
-        assert engine_core().pid != victim.pid
-        s.actor.onload(["params"])  # offloaded at the end of a step; bring them back to read them
-        assert s.workers.verify() > 0  # the engine's weights equal the actor's after the step's sync
-        s.actor.offload(["params"])
-        s.step = 2
-        assert loop.colocated_step(s, cfg)["rollout/engine_restarts"] == 0
+        loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **over, **{"rollout.multiprocess": "true"}))
+        assert sorted(hook.killed) == sorted(kills), "every fault fired"
+        rough = rows_of(tmp_path / "rough" / "t" / "metrics.jsonl")
+        assert sorted(rough) == sorted(calm) == [0, 1, 2, 3, 4, 5, 6]
+        assert sum(r.get("rollout/engine_restarts", 0) for r in rough.values()) == len(kills)
+        for step in range(1, 7):
+            for key in SAME:
+                assert rough[step][key] == pytest.approx(calm[step][key], rel=1e-5, abs=1e-6), (step, key)
+            assert rough[step]["train_rollout_logprob_abs_diff"] <= 1e-4
+        assert rough[3]["eval/accuracy"] == calm[3]["eval/accuracy"]
+
+        # The same run extended by one step: the engine dies while the checkpoint is being restored.
+        hook.at = {("resume", 0)}  # restored before any step of this run
+        out = loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **{**over, "rollout.multiprocess": "true",
+                                                                    "steps": "7"}))
+        assert hook.killed[-1] == ("resume", 0) and out["steps"] == 7
+        rough = rows_of(tmp_path / "rough" / "t" / "metrics.jsonl")
+        assert rough[7]["rollout/engine_restarts"] == 1 and rough[7]["train_rollout_logprob_abs_diff"] <= 1e-4
     finally:
-        s.close()
+        remove()
 
 
 def test_model_folder_without_weights_stops_in_one_line(tmp_path, tiny_model):

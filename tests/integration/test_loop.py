@@ -20,7 +20,7 @@ CHECKED = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
            "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]
 CYCLE = [Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC, Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT]
 # No "logprobs" phase: with one optimizer step per batch the training forward gives the old logprobs.
-PHASES = ["generate", "sleep", "reward", "onload", "train", "offload", "wake_weights", "sync", "wake_kv"]
+PHASES = ["generate", "reward", "sleep", "onload", "train", "offload", "wake_weights", "sync", "wake_kv"]
 
 
 def tiny_cfg(tmp_path, tiny_model, **over):
@@ -34,8 +34,10 @@ def tiny_cfg(tmp_path, tiny_model, **over):
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory, tiny_model, even_length_reward):
+    # actor.offload=all: every part leaves the device and comes back each step (on CPU the plan would
+    # move nothing), so the staged cycle is exercised with real copies.
     s = start_session(tiny_cfg(tmp_path_factory.mktemp("loop"), tiny_model,
-                               **{"actor.lr": "1e-3", "reward.name": "test_even_length"}))
+                               **{"actor.lr": "1e-3", "reward.name": "test_even_length", "actor.offload": "all"}))
     yield s
     s.close()
 
@@ -51,13 +53,13 @@ def test_three_steps_phase_order_weights_and_parity(session):
     s = session
     before = exported_checksums(s)
     for step in range(3):
-        start = len(s.handoff.history)
-        m = loop.colocated_step(s, s.cfg)
-        assert [h[0] for h in s.handoff.history[start:]] == CYCLE, "the handoff walked the designed cycle"
+        start = len(s.handoff.machine.history)
+        m = loop.step(s)
+        assert [h[0] for h in s.handoff.machine.history[start:]] == CYCLE, "the handoff walked the designed cycle"
         assert [k[5:] for k in m if k.startswith("time/") and k != "time/step"] == PHASES
         # Trainer and sampler see the same weights, so their logprobs of the sampled tokens agree (fp32).
         assert m["train_rollout_logprob_abs_diff"] <= 1e-4, m["train_rollout_logprob_abs_diff"]
-        assert m["sync/bytes"] > 0
+        assert m["sync/bytes"] > 0 and m["actor/onload_bytes"] > 0 and m["actor/offload_bytes"] > 0
         # After the sync the engine holds exactly the actor's weights.
         actor = exported_checksums(s)
         engine = s.rollout.checksum(CHECKED)
@@ -71,7 +73,7 @@ def test_three_steps_phase_order_weights_and_parity(session):
 def test_illegal_transition_is_rejected(session):
     assert session.handoff.phase == Phase.ROLLOUT
     with pytest.raises(IllegalTransition, match="cannot go from 'rollout' to 'actor'"):
-        session.handoff.to(Phase.ACTOR)
+        session.handoff.machine.to(Phase.ACTOR)
 
 
 @pytest.mark.slow  # ~60-90 s on 2 cores: 60 GRPO steps of the quickstart's model
@@ -94,7 +96,9 @@ def test_parity_at_sampling_temperature(tmp_path, tiny_model, even_length_reward
     the actor divides its logits by the same temperature: the two must still agree."""
     s = start_session(tiny_cfg(tmp_path, tiny_model, **{"rollout.temperature": "0.7", "reward.name": "test_even_length"}))
     try:
-        m = loop.colocated_step(s, s.cfg)
+        m = loop.step(s)
         assert m["train_rollout_logprob_abs_diff"] <= 1e-4, m["train_rollout_logprob_abs_diff"]
+        # On CPU the plan keeps the whole actor in place: nothing is copied in the handoff.
+        assert s.plan.memory.offload == () and m["actor/onload_bytes"] == m["actor/offload_bytes"] == 0
     finally:
         s.close()

@@ -1,14 +1,18 @@
 """The colocated loop through Ray on CPU: two actor ranks (data parallel, gloo) in their own Ray
-actors, the vLLM engine in a third; CPU shared-memory handles cross between Ray actors."""
+actors, the vLLM engine in a third; CPU shared-memory handles cross between Ray actors. The
+engine's Ray actor killed at a phase is replaced and the run goes on."""
 
 from __future__ import annotations
 
 import pytest
 
-from colocate_rl import loop
+import psutil
+
+from colocate_rl import faults, loop
 from colocate_rl.memory import Phase
 from colocate_rl.session import start_session
 
+from test_faults import KillEngineAt  # noqa: E402 - same folder
 from test_loop import CYCLE, tiny_cfg  # noqa: E402 - same folder
 
 
@@ -20,17 +24,32 @@ def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
     s = start_session(cfg)
     try:
         for _ in range(2):
-            start = len(s.handoff.history)
-            m = loop.colocated_step(s, cfg)
-            assert [h[0] for h in s.handoff.history[start:]] == CYCLE
+            start = len(s.handoff.machine.history)
+            m = loop.step(s)
+            s.step += 1
+            assert [h[0] for h in s.handoff.machine.history[start:]] == CYCLE
             assert m["train_rollout_logprob_abs_diff"] <= 1e-4
             assert m["grad_norm"] > 0 and m["sync/bytes"] > 0
         # verify_sync_every=1 already compared every rank's checksums with the engine's inside each
         # step (it raises on a mismatch); check once more by hand that both ranks were compared.
-        s.actor.onload(["params"])
         assert s.workers.verify() >= 3
-        s.actor.offload(["params"])
         assert s.handoff.phase == Phase.ROLLOUT
+
+        # The engine's Ray actor killed during a sync, then during generation: each time a new one
+        # is started in its bundle, synced, and the step goes on.
+        def host():
+            return psutil.Process(ray.get(s.workers.rollout.hosts[0].pid.remote()))
+
+        hook = KillEngineAt({("sync", 3), ("generate", 4)}, find=host)
+        remove = faults.on(hook)
+        try:
+            for _ in range(2):
+                m = loop.step(s)
+                assert m["rollout/engine_restarts"] == 1 and m["train_rollout_logprob_abs_diff"] <= 1e-4
+                s.step += 1
+        finally:
+            remove()
+        assert hook.killed == [("sync", 3), ("generate", 4)] and s.workers.verify() >= 3
     finally:
         s.close()
         ray.shutdown()

@@ -11,12 +11,12 @@ PKG = Path(__file__).resolve().parents[2] / "colocate_rl"
 
 # Top-level module or sub-package of colocate_rl -> layer.
 LAYERS = {
-    "types": 0, "config": 0, "platform": 0,
+    "types": 0, "config": 0, "platform": 0, "faults": 0,
     "algorithms": 1, "rewards": 1, "data": 1, "weight_sync": 1, "models": 1,
     "trainer": 2, "rollout": 2,
-    "memory": 3, "checkpoint": 3, "eval": 3, "metrics": 3,
+    "memory": 3, "checkpoint": 3, "eval": 3, "metrics": 3, "plan": 3, "handoff": 3,
     "placement": 4, "session": 4,
-    "loop": 5, "cli": 5,
+    "loop": 5, "cli": 5, "supervise": 5,
 }
 # Same-layer packages that must stay independent of each other.
 FORBIDDEN = {("trainer", "rollout"), ("rollout", "trainer")}
@@ -25,6 +25,30 @@ FORBIDDEN = {("trainer", "rollout"), ("rollout", "trainer")}
 def _unit(path: Path) -> str:
     rel = path.relative_to(PKG)
     return rel.parts[0].removesuffix(".py")
+
+
+def _full_imports(path: Path) -> set[str]:
+    """Every colocate_rl module path ``path`` imports (absolute form)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("colocate_rl.")}
+
+
+def test_rollout_never_imports_model_family_code():
+    """The rollout side asks the model family through the registry (models/registry.py); the
+    families' own modules (qwen3, deepseek_v4, ...) are the trainer's and the registry's business."""
+    def family_code(module: str) -> bool:
+        return module.startswith("colocate_rl.models.") and not module.startswith("colocate_rl.models.registry")
+
+    assert family_code("colocate_rl.models.deepseek_v4.synth") and not family_code("colocate_rl.models.registry")
+    bad = [f"{p.relative_to(PKG.parent)} imports {m}" for p in sorted((PKG / "rollout").rglob("*.py"))
+           for m in _full_imports(p) if family_code(m)]
+    assert bad == []
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,13 +1,20 @@
+"""The phase cycle and the memory plan: legality, the phase that overflows, what auto offloads, and
+the plans of real models at their published sizes (from their configs alone)."""
+
 import pytest
 
-from colocate_rl.memory import Handoff, IllegalTransition, MemoryOverflow, MemoryPlan, Phase
+from colocate_rl.config import Config, ModelConfig, layout, load
+from colocate_rl.memory import (ACCELERATORS, IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine,
+                                plan_memory)
+from colocate_rl.models.registry import model_size
+from colocate_rl.models.tiny import known_config
 
 CYCLE = [Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC, Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT]
 GiB = 2**30
 
 
 def test_full_cycle_twice():
-    h = Handoff()
+    h = PhaseMachine()
     for _ in range(2):
         for ph in CYCLE:
             h.to(ph)
@@ -17,7 +24,7 @@ def test_full_cycle_twice():
 @pytest.mark.parametrize("start,bad", [(Phase.ROLLOUT, Phase.ACTOR), (Phase.IDLE, Phase.SYNC),
                                        (Phase.ACTOR, Phase.ROLLOUT), (Phase.SYNC, Phase.ROLLOUT)])
 def test_illegal_transitions_raise_and_name_the_way(start, bad):
-    h = Handoff(start=start)
+    h = PhaseMachine(start=start)
     with pytest.raises(IllegalTransition, match=f"cannot go from '{start.value}' to '{bad.value}'"):
         h.to(bad)
     assert h.phase == start
@@ -27,7 +34,7 @@ def test_overflow_names_the_phase():
     plan = MemoryPlan(capacity=80 * GiB, parts={"rollout_weights": 16 * GiB, "kv_cache": 50 * GiB,
                                                 "actor_params": 16 * GiB, "actor_grads": 32 * GiB,
                                                 "actor_optimizer": 40 * GiB, "activations": 4 * GiB})
-    h = Handoff(plan)
+    h = PhaseMachine(plan)
     h.to(Phase.IDLE)
     with pytest.raises(MemoryOverflow, match="phase 'actor' would need 92.00 GiB of 80.00 GiB"):
         h.to(Phase.ACTOR)
@@ -43,7 +50,35 @@ def test_staged_wake_peak_is_below_unstaged():
 
 def test_measured_usage_recorded():
     used = iter([1, 5, 9])
-    h = Handoff(measure=lambda: next(used))
+    h = PhaseMachine(measure=lambda: next(used))
     h.to(Phase.IDLE)
     h.to(Phase.ACTOR)
     assert h.peak_used() == {"rollout": 1, "idle": 5, "actor": 9}
+
+
+def _plan(model: str, accelerator: str, **over):
+    base = Config(model=ModelConfig(path=model))
+    cfg = load(base, overrides=[f"{k}={v}" for k, v in {"placement.gpus_per_node": 8, "model.dtype": "bfloat16",
+                                                          **over}.items()])
+    return plan_memory(cfg, layout(cfg), model_size(known_config(model)), int(ACCELERATORS[accelerator] * 1e9))
+
+
+def test_auto_offloads_only_what_does_not_fit():
+    """Qwen3-0.6B beside vLLM on an H200: nothing needs to leave the card; squeeze vLLM's share and
+    the optimizer, then the parameters too, must go."""
+    small = _plan("Qwen/Qwen3-0.6B", "h200", **{"rollout.gpu_memory_utilization": 0.5})
+    assert small.offload == () and small.overflow() is None
+    big = dict(**{"actor.tp": 2, "actor.distributed_optimizer": True, "rollout.gpu_memory_utilization": 0.75})
+    plan = _plan("Qwen/Qwen3-8B", "h100", **big)
+    assert plan.offload == ("grads", "optimizer") and plan.overflow() is None, plan.table()
+    assert _plan("Qwen/Qwen3-8B", "h100", **big, **{"actor.offload": "none"}).overflow() == Phase.ROLLOUT
+    assert _plan("Qwen/Qwen3-0.6B", "h200", **{"actor.offload": "all"}).offload == ("grads", "optimizer", "params")
+
+
+def test_published_models_are_counted_from_their_configs():
+    assert 0.59e9 < model_size(known_config("Qwen/Qwen3-0.6B")).total < 0.61e9
+    assert 8.1e9 < model_size(known_config("Qwen/Qwen3-8B")).total < 8.3e9
+    moe = model_size(known_config("Qwen/Qwen3-30B-A3B"))
+    assert 30.0e9 < moe.total < 31.0e9 and moe.experts > 0.9 * moe.total
+    dsv4 = model_size(known_config("deepseek-ai/DeepSeek-V4-Flash"))
+    assert 280e9 < dsv4.total < 290e9, dsv4.total  # "284B"

@@ -48,12 +48,14 @@ def test_shape_mismatch_names_field():
 
 
 def test_weight_checksum_compare_names_the_tensor():
-    from colocate_rl.weight_sync.verify import WeightMismatch, compare, tensor_checksum, verifiable
+    from colocate_rl.weight_sync.verify import WeightMismatch, checksums, compare, tensor_checksum
 
     a = torch.arange(6.0).view(2, 3)
     assert tensor_checksum(a) != tensor_checksum(a.flip(0)), "a row swap changes the checksum"
     compare({"x": tensor_checksum(a)}, {"x": tensor_checksum(a.clone())})
     with pytest.raises(WeightMismatch, match="'x' differs"):
         compare({"x": tensor_checksum(a)}, {"x": tensor_checksum(a + 1e-3)})
-    assert verifiable(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]) == \
-        ["model.embed_tokens.weight"]
+    named = [("model.embed_tokens.weight", a), ("model.layers.0.self_attn.q_proj.weight", a)]
+    assert list(checksums(iter(named), ["model.embed_tokens.weight"])) == ["model.embed_tokens.weight"]
+    with pytest.raises(WeightMismatch, match="compared no tensor"):
+        compare({}, {"x": 1.0})  # a check of nothing is an error, not a pass

@@ -4,6 +4,8 @@ blocks, weights.py for the names, config.py for the hyper-parameters."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -82,8 +84,40 @@ def _no_layer_spec(config, use_te: bool):
     raise ValueError("deepseek_v4 is built by its own model builder (mHC streams), not from a GPT layer spec")
 
 
+def verify_names(hf: dict) -> list[str]:
+    """Official names kept whole in higher precision by the released layout (and by engines):
+    embedding, head, final and first-layer norms, the first layer's mHC mixing and router."""
+    return ["embed.weight", "head.weight", "norm.weight", "layers.0.attn_norm.weight", "layers.0.ffn_norm.weight",
+            "layers.0.hc_attn_fn", "layers.0.ffn.gate.weight"]
+
+
+def hf_model(path, dtype):
+    from colocate_rl.models.deepseek_v4.synth import transformers_model
+
+    return transformers_model(path, dtype)
+
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def hf_tensor(tensors: dict, name: str):
+    """transformers stacks the routed experts ([E, 2I, H] gate_up, [E, H, I] down) and renames the rest."""
+    from colocate_rl.models.deepseek_v4.weights import transformers_name
+
+    m = _EXPERT.match(name)
+    if m is None:
+        return tensors[transformers_name(name)]
+    layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+    p = f"model.layers.{layer}.mlp.experts."
+    if w == "w2":
+        return tensors[p + "down_proj"][e]
+    gate_up = tensors[p + "gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if w == "w1" else gate_up[half:]
+
+
 FAMILY = register(Family(
     name="deepseek_v4", model_types=("deepseek_v4",), transformer_config=transformer_config,
     layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
-    build=build,
+    build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor,
 ))

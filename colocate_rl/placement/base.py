@@ -1,0 +1,64 @@
+"""What a placement gives the run, and the placements by name.
+
+A placement starts the actor ranks and the engines somewhere (this process, Ray actors sharing
+GPUs, Ray placement groups of their own) and hands back a ``Workers``: the same handles whatever
+the layout, so the loop and the handoff never ask where things run. Adding a placement is one
+module with a ``launch(cfg) -> Workers`` plus one line in ``PLACEMENTS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional, Protocol
+
+from colocate_rl.config import Config, layout
+from colocate_rl.weight_sync.ipc import SyncStats
+
+
+class Workers(Protocol):
+    actor: Any  # trainer.Actor's methods: in this process, or every Ray rank at once (ActorGroup)
+    rollout: Any  # rollout.base.Rollout: one engine, or a Router over several
+    handoff_class: type  # handoff.ColocatedHandoff or handoff.DisaggregatedHandoff
+
+    def sync(self, bucket_mb: float) -> SyncStats:
+        """The actor's current weights → every engine."""
+
+    def verify(self) -> int:
+        """Engine checksums equal the actor's (raises WeightMismatch naming the tensor); returns how
+        many tensors were compared (never 0)."""
+
+    def restart_rollout(self) -> None:
+        """A new engine in place of a dead one; it holds the model folder's weights until the next sync."""
+
+    def drain(self) -> None:
+        """Waits until no generation is in flight (a broadcast must not race one)."""
+
+    def make_buffer(self, handoff: Any) -> Any:
+        """Where the loop takes each step's batch from (rollout.buffer: request / get / drain / close)."""
+
+    def device_used(self) -> Optional[int]:
+        """Bytes in use on the first GPU, every process included (None on CPU)."""
+
+    def shutdown(self) -> None: ...
+
+
+# (placement.mode, launcher) -> "module:function" returning Workers.
+PLACEMENTS: dict[tuple[str, str], str] = {
+    ("colocated", "local"): "colocate_rl.placement.local:launch",
+    ("colocated", "ray"): "colocate_rl.placement.ray_colocated:launch",
+    ("disaggregated", "ray"): "colocate_rl.placement.disaggregated:launch",
+}
+
+
+def launcher(cfg: Config) -> str:
+    """local for one colocated process (Ray's start-up would dominate a tiny CPU run), else ray."""
+    if cfg.placement.mode != "colocated":
+        return "ray"
+    if cfg.placement.launcher != "auto":
+        return cfg.placement.launcher
+    return "local" if layout(cfg).actor_gpus == 1 and cfg.placement.nnodes == 1 else "ray"
+
+
+def launch(cfg: Config) -> Workers:
+    module, _, fn = PLACEMENTS[(cfg.placement.mode, launcher(cfg))].partition(":")
+    return getattr(importlib.import_module(module), fn)(cfg)
