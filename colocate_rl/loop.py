@@ -87,8 +87,7 @@ def colocated_step(s: Session, cfg: Config) -> dict:
         s.handoff.to(Phase.IDLE)
     with t("reward"):
         batch.rewards, reward_metrics = s.scorer.score(batch)
-        batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group,
-                                                               cfg.algorithm.adv_eps)
+        batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group, cfg.algorithm)
     with t("onload"):
         onload_bytes, onload_s = s.actor.onload()
         s.handoff.to(Phase.ACTOR)
@@ -259,8 +258,7 @@ def disaggregated_step(s: Session, cfg: Config, last: bool = False) -> dict:
         w.buffer.request(s.sampler.next_batch(), w.version)  # runs while this step trains
     with t("reward"):
         batch.rewards, reward_metrics = s.scorer.score(batch)
-        batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group,
-                                                               cfg.algorithm.adv_eps)
+        batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group, cfg.algorithm)
     with t("train"):  # the token IS correction weights stale samples by actor / sampler probability
         train_metrics = s.actor.train_step(batch, old_logprobs(s, batch, t))
     with t("wait_rollout"):
