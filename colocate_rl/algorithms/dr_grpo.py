@@ -25,7 +25,8 @@ from colocate_rl.config import AlgorithmConfig
 def dr_grpo(x: LossInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (loss 0-dim, clipped [B, T] bool). Needs ``cfg.loss_norm_tokens`` > 0 or ``x.max_response_tokens``."""
     if cfg.loss_norm_tokens < 0:
-        raise ValueError(f"algorithm.loss_norm_tokens={cfg.loss_norm_tokens} must be >= 0 (0 = rollout.max_response_tokens)")
+        raise ValueError(
+            f"algorithm.loss_norm_tokens={cfg.loss_norm_tokens} must be >= 0 (0 = rollout.max_response_tokens)")
     norm_tokens = cfg.loss_norm_tokens or x.max_response_tokens
     if not norm_tokens:
         raise ValueError("algorithm.policy_loss='dr_grpo' needs algorithm.loss_norm_tokens > 0 or the run's "
