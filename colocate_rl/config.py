@@ -110,14 +110,27 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo | grpo_no_std (names in colocate_rl.algorithms.ADVANTAGES)
+    advantage: str = "grpo"  # grpo | dr_grpo (= grpo_no_std): names in colocate_rl.algorithms.ADVANTAGES
     adv_eps: float = 1e-6
-    eps_low: float = 0.2
+    # ppo_clip | gspo | dr_grpo | cispo: names in colocate_rl.algorithms.POLICY_LOSSES
+    policy_loss: str = "ppo_clip"
+    eps_low: float = 0.2  # ppo_clip, dr_grpo: the token ratio's clip range
     eps_high: float = 0.28
+    # gspo: the sequence ratio's clip range, the paper's (Zheng et al. 2025); a length-normalised
+    # sequence ratio moves far less than a token's
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    # cispo: the IS weight is truncated at 1 + this (no lower bound, as in MiniMax-M1, which does
+    # not publish its value); 4 caps it at 5, the bound of "The Art of Scaling Reinforcement
+    # Learning Compute for LLMs", which found CISPO insensitive to it between 4 and 8
+    cispo_eps_high: float = 4.0
+    # dr_grpo: the loss is Σ tokens / (loss_norm_tokens × sequences); 0 = rollout.max_response_tokens
+    loss_norm_tokens: int = 0
     is_clamp: float = 2.0  # token IS weight cap C for the train/rollout mismatch; 0 disables it
     kl_coef: float = 0.0
     kl_type: str = "k3"  # k1 | k3
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
+    # token_mean | seq_mean_token_mean, for ppo_clip and cispo; gspo and dr_grpo use their papers'
+    loss_agg: str = "token_mean"
 
 
 @dataclass

@@ -77,7 +77,7 @@ def step(s: Session, last: bool = False) -> dict:
             batch, resampled = refill(batch, cfg.data.prompts_per_step, lambda k, r: more(s, k, r),
                                       cfg.rollout.dynamic_max_rounds)
         reward_metrics.update(resampled)
-    batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group, cfg.algorithm.adv_eps)
+    batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group, cfg.algorithm)
     s.handoff.to_actor(t)
     with t("train"):
         faults.point("train", s.step + 1)

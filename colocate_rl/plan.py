@@ -57,9 +57,9 @@ def _advantages() -> list[str]:
 
 
 def _policy_losses() -> list[str]:
-    from colocate_rl import algorithms
+    from colocate_rl.algorithms import POLICY_LOSSES
 
-    return list(getattr(algorithms, "POLICY_LOSSES", {"ppo_clip": None}))
+    return list(POLICY_LOSSES)
 
 
 def _backends() -> list[str]:
@@ -78,9 +78,7 @@ REGISTRY_FIELDS: dict[str, Callable[[], list[str]]] = {
 def check_names(cfg: Config) -> None:
     for field, choices in REGISTRY_FIELDS.items():
         section, _, leaf = field.partition(".")
-        value = getattr(getattr(cfg, section), leaf, None)
-        if value is None:  # a field this version does not have
-            continue
+        value = getattr(getattr(cfg, section), leaf)
         if value not in choices():
             raise ConfigError(f"{field}={value!r} is not one of {', '.join(choices())}")
     from colocate_rl.rewards import get_reward

@@ -1,6 +1,10 @@
-"""Group-relative advantages: one scalar per response, from the rewards of its prompt's group.
+"""Advantages: one scalar per response, computed over the whole batch.
 
-Rows of one prompt are adjacent (colocate_rl.types), so a group is a ``view(-1, n)``, not a gather.
+An advantage function is ``fn(rewards [B], n, cfg: AlgorithmConfig) -> advantages [B]``: it sees
+every reward of the batch, the group size n and the algorithm's config, so a baseline that needs
+more than one group's rewards (or a config field of its own) fits the same signature. Rows of one
+prompt are adjacent (colocate_rl.types), so a group is a ``view(-1, n)``, not a gather. Adding one:
+a function and one line in ADVANTAGES.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from typing import Callable
 
 import torch
 
-AdvantageFn = Callable[[torch.Tensor, int, float], torch.Tensor]
+from colocate_rl.config import AlgorithmConfig
+
+AdvantageFn = Callable[[torch.Tensor, int, AlgorithmConfig], torch.Tensor]
 
 
 def _groups(rewards: torch.Tensor, n: int) -> torch.Tensor:
@@ -19,28 +25,37 @@ def _groups(rewards: torch.Tensor, n: int) -> torch.Tensor:
     return rewards.view(-1, n)
 
 
-def grpo(rewards: torch.Tensor, n: int, eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group std + eps).   rewards [B] → advantages [B], B = prompts × n.
+def grpo(rewards: torch.Tensor, n: int, cfg: AlgorithmConfig) -> torch.Tensor:
+    """(r - group mean) / (group std + cfg.adv_eps).   rewards [B] → advantages [B], B = prompts × n.
 
     The std is the population std (``unbiased=False``): it is defined for n = 1 (advantage 0 rather
     than NaN), and a group whose rewards are all equal gets advantage 0 for every row.
     """
     r = _groups(rewards, n)
     std = r.std(dim=1, keepdim=True, unbiased=False)
-    return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+    return ((r - r.mean(dim=1, keepdim=True)) / (std + cfg.adv_eps)).view(-1)
 
 
-def grpo_no_std(rewards: torch.Tensor, n: int, eps: float = 1e-6) -> torch.Tensor:
-    """r - group mean (Dr. GRPO: no std division, so easy and hard prompts are not re-weighted).
-    rewards [B] → advantages [B]; ``eps`` is unused and kept for one signature."""
+def dr_grpo(rewards: torch.Tensor, n: int, cfg: AlgorithmConfig) -> torch.Tensor:
+    """r - group mean.   rewards [B] → advantages [B].
+
+    "Understanding R1-Zero-Like Training: A Critical Perspective" (Liu et al., 2025): dividing by
+    the group's std gives the prompts that are nearly always right or wrong (small std) the larger
+    weight; without it every prompt's rewards count on one scale. Pair it with
+    ``algorithm.policy_loss=dr_grpo`` (the loss without the length bias).
+    """
     r = _groups(rewards, n)
     return (r - r.mean(dim=1, keepdim=True)).view(-1)
 
 
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "grpo_no_std": grpo_no_std}
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "grpo_no_std": dr_grpo,  # the name this had before Dr. GRPO's loss was added
+}
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
     if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage '{name}': one of {', '.join(sorted(ADVANTAGES))}")
+        raise ValueError(f"algorithm.advantage={name!r} is not one of {', '.join(sorted(ADVANTAGES))}")
     return ADVANTAGES[name]

@@ -216,7 +216,7 @@ class Actor:
             lp = token_logprobs(output, tokens, temperature)
             loss, metrics = policy_loss(
                 lp, lp.detach() if old is None else old, mb.rollout_logprobs, mb.advantages, mb.loss_mask, alg,
-                ref_logprobs=ref, **counts,
+                ref_logprobs=ref, max_response_tokens=self.cfg.rollout.max_response_tokens, **counts,
             )
             return loss, metrics
 

@@ -22,7 +22,7 @@ from colocate_rl.config import AlgorithmConfig
 
 def test_grpo_uses_population_std():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0], dtype=torch.float64)
-    adv = ADVANTAGES["grpo"](r, 3, 0.0)
+    adv = ADVANTAGES["grpo"](r, 3, AlgorithmConfig(adv_eps=0.0))
     # group 1: mean 1/3, population std sqrt(2/9); group 2: mean 2, std sqrt(8/3)
     s1, s2 = math.sqrt(2 / 9), math.sqrt(8 / 3)
     want = [2 / 3 / s1, -1 / 3 / s1, -1 / 3 / s1, -2 / s2, 0.0, 2 / s2]
@@ -30,19 +30,20 @@ def test_grpo_uses_population_std():
 
 
 def test_grpo_equal_rewards_and_singleton_groups_give_zero():
-    assert torch.equal(ADVANTAGES["grpo"](torch.ones(4), 2, 1e-6), torch.zeros(4))
-    assert torch.equal(ADVANTAGES["grpo"](torch.tensor([3.0, -1.0]), 1, 1e-6), torch.zeros(2))
+    assert torch.equal(ADVANTAGES["grpo"](torch.ones(4), 2, AlgorithmConfig()), torch.zeros(4))
+    assert torch.equal(ADVANTAGES["grpo"](torch.tensor([3.0, -1.0]), 1, AlgorithmConfig()), torch.zeros(2))
 
 
-def test_grpo_no_std():
-    adv = ADVANTAGES["grpo_no_std"](torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0]), 3, 1e-6)
+@pytest.mark.parametrize("name", ["dr_grpo", "grpo_no_std"])
+def test_dr_grpo_advantage_has_no_std(name):
+    adv = ADVANTAGES[name](torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0]), 3, AlgorithmConfig())
     torch.testing.assert_close(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
 
 
 def test_advantage_errors():
     with pytest.raises(ValueError, match="groups of n=4"):
-        ADVANTAGES["grpo"](torch.zeros(6), 4, 1e-6)
-    with pytest.raises(ValueError, match="unknown advantage 'ppo': one of grpo, grpo_no_std"):
+        ADVANTAGES["grpo"](torch.zeros(6), 4, AlgorithmConfig())
+    with pytest.raises(ValueError, match="^algorithm.advantage='ppo' is not one of dr_grpo, grpo, grpo_no_std$"):
         get_advantage_fn("ppo")
 
 
