@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colocate_rl import platform
 from colocate_rl.config import Config, actor_world_size, cache_dir
+from colocate_rl.placement.ray_auth import authenticate
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
 
 # Ray would otherwise set CUDA_VISIBLE_DEVICES per actor to its fractional GPU, hiding from the
@@ -42,6 +43,8 @@ def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
         return
     _raise_nofile_limit()
     os.environ.update(NOSET)
+    if cfg.placement.ray_address:
+        authenticate(cfg)  # a cluster started by scripts/start_ray.sh admits only its token's holders
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
     tmp = os.environ.get("RAY_TMPDIR", str(cache_dir() / "ray"))
     os.makedirs(tmp, exist_ok=True)
