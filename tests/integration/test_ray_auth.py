@@ -92,9 +92,10 @@ def head(tmp_path_factory):
     """A one-CPU head on free ports; stopped by the last test, and here again should one fail."""
     state = tmp_path_factory.mktemp("ray-head")
     port, dashboard_port = free_port(), free_port()
-    # Free ports for the services whose default ports are fixed (another Ray on this machine may
-    # hold them); every other port Ray picks itself. The Ray Client server runs only with grpcio.
-    extra = ["--dashboard-port", str(dashboard_port), "--dashboard-agent-listen-port", str(free_port())]
+    # The services whose default ports are fixed (another Ray on this machine may hold them): the
+    # dashboard on a free port, the agent's HTTP on one it picks (0); every other port Ray picks.
+    # The Ray Client server runs only with grpcio.
+    extra = ["--dashboard-port", str(dashboard_port), "--dashboard-agent-listen-port", "0"]
     if get_ray_client_dependency_error() is None:
         extra += ["--ray-client-server-port", str(free_port())]
     proc = subprocess.run(["bash", SCRIPT, "head", "--port", str(port), "--num-cpus", "1", "--node-ip-address",
