@@ -170,7 +170,7 @@ fi
 [ -s "$token_file" ] || die "the token file $token_file is empty"
 token_mode="$(stat -c %a "$token_file")"
 if [ $((8#$token_mode & 8#077)) != 0 ]; then
-  die "the token file $token_file can be read by other users (mode $token_mode): chmod 600 $token_file"
+  die "the token file $token_file is open to other users (mode $token_mode): chmod 600 $token_file"
 fi
 # The file is the one source of the token: a RAY_AUTH_TOKEN variable would take precedence in Ray
 # (and show in every Ray process's environment).
