@@ -35,6 +35,7 @@ _HASH_LIMIT = 64 << 20  # bytes; larger files are checked by size only (hashing 
 
 # Config fields a resumed run may change: they do not alter what the run computes.
 HARMLESS = ("logging.", "checkpoint.", "eval.", "steps", "placement.launcher", "placement.ray_address",
+            "placement.ray_token_file",
             "reward.workers", "reward.timeout_s", "rollout.verify_sync_every", "rollout.sync_bucket_mb",
             "rollout.multiprocess", "rollout.enforce_eager")
 

@@ -183,6 +183,9 @@ class PlacementConfig:
     actor_gpus: int = 0  # disaggregated on one node: GPUs for the actor (rest go to rollout)
     launcher: str = "auto"  # colocated: auto | ray | local (world size 1 only); disaggregated runs on Ray
     ray_address: str = ""  # "" = start a local Ray instance
+    # joining ray_address: the cluster's token file ("" = $COLOCATE_RL_RAY_TOKEN_FILE, else the file
+    # scripts/start_ray.sh writes by default, where it exists; none: join without a token)
+    ray_token_file: str = ""
 
 
 @dataclass

@@ -18,6 +18,11 @@
 #   --name NAME            container name (e.g. to `docker exec` into a Ray node)
 #   --detach               run in the background (a Ray node: ... scripts/start_ray.sh head --block)
 #   --env NAME[=VALUE]     one more variable for the container (repeatable)
+#   --ray-token-file PATH  the Ray cluster's token file (scripts/start_ray.sh --help), mounted
+#                          read-only at /run/secrets/colocate_rl_ray_token and named to the
+#                          container by COLOCATE_RL_RAY_TOKEN_FILE; created (random, mode 0600)
+#                          where missing, so the first node's command makes it: copy it to the
+#                          other nodes [COLOCATE_RL_RAY_TOKEN_FILE]
 #   --no-pull              use the local image as it is
 #   --dry-run              print the docker commands, one per line, instead of running them
 set -euo pipefail
@@ -38,6 +43,7 @@ detach=0
 pull=1
 dry_run=0
 extra_env=()
+ray_token_file="${COLOCATE_RL_RAY_TOKEN_FILE:-}"
 
 while [ "$#" -gt 0 ]; do
   case "$1" in
@@ -51,6 +57,7 @@ while [ "$#" -gt 0 ]; do
     --name) name="${2:?--name needs a value}"; shift ;;
     --detach) detach=1 ;;
     --env) extra_env+=(-e "${2:?--env needs a value}"); shift ;;
+    --ray-token-file) ray_token_file="${2:?--ray-token-file needs a value}"; shift ;;
     --no-pull) pull=0 ;;
     --dry-run) dry_run=1 ;;
     -h|--help) usage; exit 0 ;;
@@ -75,6 +82,7 @@ if [ -z "$image" ]; then
   image="${COLOCATE_RL_IMAGE:-ghcr.io/colocate-rl/colocate-rl}:${version}-${platform}"
 fi
 data="$(abspath "$data")"; checkpoints="$(abspath "$checkpoints")"; hf_cache="$(abspath "$hf_cache")"
+[ -n "$ray_token_file" ] && ray_token_file="$(abspath "$ray_token_file")"
 
 run=(docker run --rm)
 if [ "$detach" = 1 ]; then run+=(--detach)
@@ -111,6 +119,11 @@ for var in HF_TOKEN WANDB_API_KEY WANDB_MODE HIP_VISIBLE_DEVICES CUDA_VISIBLE_DE
            NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_GID_INDEX NCCL_DEBUG; do
   [ -n "${!var:-}" ] && run+=(-e "$var")
 done
+# The Ray token by file only: its path is on the command line, its text never is.
+if [ -n "$ray_token_file" ]; then
+  secret=/run/secrets/colocate_rl_ray_token
+  run+=(-v "$ray_token_file:$secret:ro" -e "COLOCATE_RL_RAY_TOKEN_FILE=$secret")
+fi
 run+=("${extra_env[@]}" "$image" "$@")
 
 if [ "$dry_run" = 1 ]; then
@@ -121,5 +134,17 @@ if [ "$dry_run" = 1 ]; then
 fi
 command -v docker >/dev/null 2>&1 || die "docker is not installed (scripts/check_host.sh lists what a run needs)"
 mkdir -p "$data" "$checkpoints" "$hf_cache"  # else Docker creates them, owned by root
+if [ -n "$ray_token_file" ]; then
+  if [ ! -e "$ray_token_file" ]; then  # else Docker would mount a new, root-owned folder there
+    mkdir -p "$(dirname "$ray_token_file")"
+    # 256 random bits as hex through a pipe into a file that is 0600 from its creation on.
+    (umask 077 && head -c 32 /dev/urandom | od -An -v -tx1 | tr -d ' \n' > "$ray_token_file")
+    echo "[run] new Ray token written to $ray_token_file (mode 0600): copy it to the other nodes" >&2
+  fi
+  if [ ! -f "$ray_token_file" ] || [ ! -s "$ray_token_file" ]; then
+    die "the Ray token file $ray_token_file is not a file or is empty"
+  fi
+  [ $((8#$(stat -c %a "$ray_token_file") & 8#077)) = 0 ] || die "the Ray token file $ray_token_file is open to other users: chmod 600 $ray_token_file"
+fi
 [ "$pull" = 1 ] && docker pull "$image"
 exec "${run[@]}"

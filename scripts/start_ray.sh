@@ -10,7 +10,19 @@
 #   --node-ip-address IP  the address other nodes reach this one by [Ray's choice]
 #   --state-dir DIR       where the started process group and address are recorded
 #                         [$COLOCATE_RL_CACHE/ray-node, else ~/.cache/colocate_rl/ray-node]
+#   --token-file PATH     the cluster's authentication token [$COLOCATE_RL_RAY_TOKEN_FILE, else
+#                         <state dir>/auth_token]; the head creates it (random, mode 0600) when it
+#                         does not exist and uses it as it is when it does; a worker only reads it
+#   --dashboard-host IP   the address the head's dashboard listens on [127.0.0.1: this machine only]
 #   --block               stay in the foreground until stopped (a container's main process)
+#
+# Authentication: every node runs with Ray's token authentication on (RAY_AUTH_MODE=token), so
+# that only a holder of the token can join the cluster, submit work or call the dashboard's APIs;
+# anyone else who reaches an unauthenticated Ray port can run code on every node. Copy the head's
+# token file to each node that joins (mode 0600, e.g. with scp) and pass it with --token-file; a
+# driver names it with placement.ray_token_file. The token reaches Ray as a file path
+# (RAY_AUTH_TOKEN_PATH), never on a command line, in the environment or in this script's output.
+# Delete the file to have the next head start with a new token.
 #
 # Stopping: the node's daemons are started in one new session and process group, whose id is
 # recorded; `stop` signals the processes of that group and their descendants (the raylet gives
@@ -24,6 +36,7 @@ case "$mode" in head|worker|stop) shift ;; -h|--help|"") sed -n '2,/^set -euo/p'
   *) die "first argument must be head, worker or stop, not '$mode'" ;; esac
 
 port=6379; address=""; num_gpus=""; num_cpus=""; node_ip=""; block=0
+token_file="${COLOCATE_RL_RAY_TOKEN_FILE:-}"; dashboard_host=127.0.0.1
 state="${COLOCATE_RL_CACHE:-$HOME/.cache/colocate_rl}/ray-node"
 while [ "$#" -gt 0 ]; do
   case "$1" in
@@ -33,6 +46,8 @@ while [ "$#" -gt 0 ]; do
     --num-cpus) num_cpus="${2:?--num-cpus needs a value}"; shift ;;
     --node-ip-address) node_ip="${2:?--node-ip-address needs a value}"; shift ;;
     --state-dir) state="${2:?--state-dir needs a value}"; shift ;;
+    --token-file) token_file="${2:?--token-file needs a value}"; shift ;;
+    --dashboard-host) dashboard_host="${2:?--dashboard-host needs a value}"; shift ;;
     --block) block=1 ;;
     --) shift; break ;;
     *) die "unknown argument $1 (see scripts/start_ray.sh --help)" ;;
@@ -41,6 +56,8 @@ while [ "$#" -gt 0 ]; do
 done
 extra=("$@")
 pgid_file="$state/pgid"; address_file="$state/address"; log="$state/ray-start.log"
+token_file="${token_file:-$state/auth_token}"
+case "$token_file" in /*) ;; *) token_file="$PWD/$token_file" ;; esac  # Ray's processes read it from elsewhere
 
 # The live (not zombie) processes of process group $1 and all their descendants, one pid a line.
 # Descendants matter: the raylet puts each Ray worker in a process group of its own.
@@ -138,6 +155,28 @@ fi
 command -v ray >/dev/null 2>&1 || die "ray is not on PATH (the image has it; bare metal: pip install ray)"
 mkdir -p "$state"
 
+# --- authentication token: created by the head where missing, read from a file by every process ---
+if [ "$mode" = head ] && [ ! -e "$token_file" ]; then
+  mkdir -p "$(dirname "$token_file")"
+  # 256 random bits as hex, written through a pipe (never an argument) to a file that is 0600 from
+  # its creation on (umask), then renamed into place so that no reader sees half a token.
+  if ! (umask 077 && head -c 32 /dev/urandom | od -An -v -tx1 | tr -d ' \n' > "$token_file.new"); then
+    die "cannot write the token file $token_file"
+  fi
+  mv -f "$token_file.new" "$token_file"
+  echo "[start_ray] new authentication token written to $token_file (mode 0600)"
+fi
+[ -f "$token_file" ] || die "no token file $token_file: copy the head's token file here (mode 0600) and pass --token-file PATH"
+[ -s "$token_file" ] || die "the token file $token_file is empty"
+token_mode="$(stat -c %a "$token_file")"
+if [ $((8#$token_mode & 8#077)) != 0 ]; then
+  die "the token file $token_file is open to other users (mode $token_mode): chmod 600 $token_file"
+fi
+# The file is the one source of the token: a RAY_AUTH_TOKEN variable would take precedence in Ray
+# (and show in every Ray process's environment).
+unset RAY_AUTH_TOKEN
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$token_file"
+
 # --- visible devices: one list under every name the stack reads (see docker/entrypoint.sh) ---
 if [ -z "${HIP_VISIBLE_DEVICES:-}${CUDA_VISIBLE_DEVICES:-}" ] && [ -n "${ROCR_VISIBLE_DEVICES:-}" ]; then
   IFS=, read -r -a rocr <<< "$ROCR_VISIBLE_DEVICES"
@@ -176,7 +215,11 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 args=(start --num-gpus "$num_gpus" --disable-usage-stats)
 [ -n "$num_cpus" ] && args+=(--num-cpus "$num_cpus")
 [ -n "$node_ip" ] && args+=(--node-ip-address "$node_ip")
-if [ "$mode" = head ]; then args+=(--head --port "$port"); else args+=(--address "$address"); fi
+if [ "$mode" = head ]; then
+  args+=(--head --port "$port" --dashboard-host "$dashboard_host")
+else
+  args+=(--address "$address")
+fi
 [ "$block" = 1 ] && args+=(--block)
 args+=("${extra[@]}")
 
@@ -204,8 +247,10 @@ ip="${node_ip:-$(sed -n 's/.*Local node IP: *\([0-9a-fA-F.:]*\).*/\1/p' "$log" |
 if [ "$mode" = head ]; then
   echo "${ip}:${port}" > "$address_file"
   echo "[start_ray] head up: address ${ip}:${port}, $num_gpus GPUs (visible: ${visible:-none})"
-  echo "  join another node:  scripts/start_ray.sh worker --address ${ip}:${port}"
-  echo "  run on the cluster: python recipes/<recipe>.py preset=NAME placement.ray_address=${ip}:${port}"
+  echo "  token file:         $token_file (copy it to each node that joins; keep it mode 0600)"
+  echo "  join another node:  scripts/start_ray.sh worker --address ${ip}:${port} --token-file $token_file"
+  echo "  run on the cluster: python recipes/<recipe>.py preset=NAME placement.ray_address=${ip}:${port}" \
+       "placement.ray_token_file=$token_file"
 else
   echo "$address" > "$address_file"
   echo "[start_ray] worker up at ${ip:-?}, joined $address with $num_gpus GPUs (visible: ${visible:-none})"

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colocate_rl import platform
 from colocate_rl.config import Config, ConfigError, cache_dir, layout
 from colocate_rl.handoff import ColocatedHandoff
+from colocate_rl.placement.ray_auth import authenticate
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
 
@@ -47,6 +48,8 @@ def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
         return
     _raise_nofile_limit()
     os.environ.update(NOSET)
+    if cfg.placement.ray_address:
+        authenticate(cfg)  # a cluster started by scripts/start_ray.sh admits only its token's holders
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
     tmp = os.environ.get("RAY_TMPDIR", str(cache_dir() / "ray"))
     os.makedirs(tmp, exist_ok=True)

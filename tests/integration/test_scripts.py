@@ -132,7 +132,9 @@ def test_start_ray_head_and_worker_each_stop_only_their_own(tmp_path):
         again = start_ray("head", "--port", str(free_port()), "--state-dir", str(head_state))
         assert again.returncode == 2 and "still running" in again.stderr
 
-        worker = start_ray("worker", "--address", f"127.0.0.1:{port}", "--state-dir", str(worker_state))
+        # The head's token file (tests/integration/test_ray_auth.py shows that nothing joins without it).
+        worker = start_ray("worker", "--address", f"127.0.0.1:{port}", "--state-dir", str(worker_state),
+                           "--token-file", str(head_state / "auth_token"))
         assert worker.returncode == 0, worker.stdout + worker.stderr
         assert f"joined 127.0.0.1:{port}" in worker.stdout
         worker_pids = group(int((worker_state / "pgid").read_text()))
@@ -159,6 +161,17 @@ def test_start_ray_usage_errors(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts/start_ray.sh"), "header"], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 2 and "head, worker or stop" in proc.stderr
+    # A worker needs the head's token file, private to its user.
+    token = tmp_path / "token"
+    for text, mode, error in [(None, 0, "no token file"), ("ab" * 32, 0o644, "chmod 600"), ("", 0o600, "is empty")]:
+        if text is not None:
+            token.write_text(text)
+            token.chmod(mode)
+        proc = subprocess.run(["bash", str(ROOT / "scripts/start_ray.sh"), "worker", "--address", "127.0.0.1:1",
+                               "--state-dir", str(tmp_path / "w"), "--token-file", str(token)],
+                              capture_output=True, text=True, env=script_env(), timeout=30)
+        assert proc.returncode == 2 and error in proc.stderr, (mode, proc.stderr)
+    assert not (tmp_path / "w" / "pgid").exists()  # refused before anything started
 
 
 # ------------------------------------------------------------------------ smoke

@@ -160,7 +160,8 @@ def test_nothing_depends_on_pypi_aiter():
 
 
 def dry_run(*args: str, env: dict | None = None) -> tuple[list[list[str]], subprocess.CompletedProcess]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "WANDB_API_KEY", "COLOCATE_RL_IMAGE")}
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("HF_TOKEN", "WANDB_API_KEY", "COLOCATE_RL_IMAGE", "COLOCATE_RL_RAY_TOKEN_FILE")}
     full_env.update(env or {})
     proc = subprocess.run(["bash", str(ROOT / "docker/run.sh"), "--dry-run", *args], capture_output=True,
                           text=True, env=full_env, cwd=ROOT, timeout=30)
@@ -228,6 +229,59 @@ def test_run_image_name_and_errors():
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
     _, proc = dry_run(env={"COLOCATE_RL_PLATFORM": "tpu"})
     assert proc.returncode == 2 and "tpu" in proc.stderr
+
+
+RAY_SECRET = "/run/secrets/colocate_rl_ray_token"
+
+
+def test_run_passes_the_ray_token_by_file_only(tmp_path):
+    token = tmp_path / "ray_token"
+    token.write_text("5e" * 32)
+    token.chmod(0o600)
+    cmds, proc = dry_run("--cuda", "--no-pull", "--image", "my/img:1", "--ray-token-file", str(token),
+                         "scripts/start_ray.sh", "head", "--block")
+    assert proc.returncode == 0, proc.stderr
+    (run,) = cmds
+    opts = run[:run.index("my/img:1")]
+    # Mounted read-only; the container learns its path, never its text.
+    assert opts[opts.index(f"{token}:{RAY_SECRET}:ro") - 1] == "-v"
+    assert opts[opts.index(f"COLOCATE_RL_RAY_TOKEN_FILE={RAY_SECRET}") - 1] == "-e"
+    assert "5e" * 32 not in proc.stdout + proc.stderr
+    assert _after_image(run, "my/img:1") == ["scripts/start_ray.sh", "head", "--block"]
+    cmds, _ = dry_run("--cuda", "--no-pull", "x.py", env={"COLOCATE_RL_RAY_TOKEN_FILE": str(token)})
+    assert _mounts(cmds[0])[RAY_SECRET] == str(token)
+    cmds, _ = dry_run("--cuda", "--no-pull", "x.py")
+    assert RAY_SECRET not in _mounts(cmds[0]) and "COLOCATE_RL_RAY_TOKEN_FILE" not in " ".join(cmds[0])
+
+
+def test_run_creates_a_missing_ray_token_privately(tmp_path):
+    """Past --dry-run, with a `docker` on PATH that only records its arguments (no engine here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "$DOCKER_ARGS"\n')
+    (bin_dir / "docker").chmod(0o755)
+    token, args = tmp_path / "keys/ray_token", tmp_path / "docker_args"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", DOCKER_ARGS=str(args))
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "docker/run.sh"), "--cuda", "--no-pull", "--image", "my/img:1",
+                               "--data", str(tmp_path / "d"), "--checkpoints", str(tmp_path / "c"), "--hf-cache",
+                               str(tmp_path / "hf"), "--ray-token-file", str(token), "x.py"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+
+    proc = run()
+    assert proc.returncode == 0, proc.stderr
+    assert "new Ray token written" in proc.stderr
+    assert oct(token.stat().st_mode & 0o777) == "0o600"
+    text = token.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", text)
+    assert f"{token}:{RAY_SECRET}:ro" in args.read_text().splitlines()
+    assert text not in args.read_text() + proc.stdout + proc.stderr
+    proc = run()  # the next node's command on this host: the same token
+    assert proc.returncode == 0 and "new Ray token" not in proc.stderr and token.read_text() == text
+    token.chmod(0o640)
+    proc = run()
+    assert proc.returncode == 2 and f"chmod 600 {token}" in proc.stderr
 
 
 def test_workflow_builds_what_run_sh_pulls():
