@@ -98,6 +98,10 @@ class ActorConfig:
     # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).
     fp32_residual: bool = False
     max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
+    # Only with algorithm.kl_coef > 0: keep the reference policy on the device for the whole run
+    # instead of in host memory (pinned) between its forward passes; same numbers, no copies, and
+    # its bytes stay on the device through the rollout too.
+    ref_on_device: bool = False
 
 
 @dataclass
@@ -107,6 +111,8 @@ class AlgorithmConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     is_clamp: float = 2.0  # token IS weight cap C for the train/rollout mismatch; 0 disables it
+    # > 0: add kl_coef x KL(policy || reference) per response token to the loss; the reference is the
+    # policy's weights at the first GRPO step (after any SFT warm-start), frozen (trainer/reference.py).
     kl_coef: float = 0.0
     kl_type: str = "k3"  # k1 | k3
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
@@ -364,6 +370,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
     if cfg.algorithm.is_clamp < 0:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
+    if cfg.algorithm.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} must be >= 0 (0 disables the KL penalty)")
 
     pl = cfg.placement
     if pl.mode == "colocated" and (pl.actor_nodes or pl.rollout_nodes or pl.actor_gpus):
