@@ -18,6 +18,7 @@ a checkpoint. train_step scores the batch with it; with kl_coef = 0 none is buil
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import time
@@ -96,7 +97,7 @@ class Actor:
             fp32_residual_connection=a.fp32_residual,
             **recompute,
         )
-        module = self._build_module()
+        module = build_model(self.family, self.hf_config, self.model_config)
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, cfg.model.path)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
@@ -106,9 +107,13 @@ class Actor:
             scratch=("grads",))
         self.reference: Optional[Reference] = None
 
-    def _build_module(self):
-        """This rank's bare model (weights not loaded): the policy's, and the reference's."""
-        return build_model(self.family, self.hf_config, self.model_config)
+    def _build_reference_module(self):
+        """A bare model for the reference, on a copy of the config without the training hooks
+        ``_wrap`` adds: it runs forward only, and megatron-core's SequentialMLP deep-copies its
+        config, which the hooks (bound to the DDP and its process groups) cannot survive."""
+        config = copy.copy(self.model_config)
+        config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
+        return build_model(self.family, self.hf_config, config)
 
     # ------------------------------------------------------------ build
 
@@ -283,7 +288,7 @@ class Actor:
         training, so it is never resident together with the activations of the backward pass."""
         self._check_onloaded()
         if self.reference is None:
-            self.reference = Reference.snapshot(self._build_module(), self.model.module,
+            self.reference = Reference.snapshot(self._build_reference_module(), self.model.module,
                                                 self.cfg.actor.ref_on_device)
         with self.reference.resident() as module:
             out = self._logprobs(module, batch)
@@ -458,7 +463,7 @@ class Actor:
         if not (saved_ref and self.cfg.algorithm.kl_coef > 0):
             self.reference = None
         elif self.reference is None:  # its weights come from the checkpoint
-            self.reference = Reference(self._build_module(), self.cfg.actor.ref_on_device)
+            self.reference = Reference(self._build_reference_module(), self.cfg.actor.ref_on_device)
         ref = self.reference
         # Loading optimizer state runs the same tensor-type checks as building the optimizer.
         cpu_types = contextlib.nullcontext() if platform.has_gpu() else platform.megatron_tensor_methods_on_cpu()

@@ -164,6 +164,22 @@ def test_checkpoint_keeps_the_reference(tiny_model, tmp_path):
     assert resumed.train_step(batch)["kl_ref"] == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "deepseek-v4-tiny"])
+def test_reference_of_other_families(tiny_model, tmp_path, shape):
+    """MoE (megatron-core's experts copy their config) and DeepSeek-V4 (the family's own model):
+    kl_ref starts at 0, the reference stays the starting policy and survives a checkpoint."""
+    path = tiny_model(shape)
+    actor = make_actor(path, 0.5, micro_batch_size=2)
+    batch, lp0 = start(actor)
+    kl = [actor.train_step(batch)["kl_ref"] for _ in range(2)]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0.01, kl
+    assert torch.equal(actor.compute_ref_logprobs(batch), lp0) and actor.reference.device_bytes() == 0
+    actor.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = make_actor(path, 0.5, micro_batch_size=2)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(resumed.compute_ref_logprobs(batch), lp0)
+
+
 def reference_at_tp2(path: str, ckpt: str) -> torch.Tensor:
     actor = make_actor(path, 0.5, tp=2, micro_batch_size=2)
     actor.load_checkpoint(ckpt)
