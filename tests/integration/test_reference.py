@@ -180,15 +180,18 @@ def test_reference_of_other_families(tiny_model, tmp_path, shape):
     assert torch.equal(resumed.compute_ref_logprobs(batch), lp0)
 
 
-def reference_at_tp2(path: str, ckpt: str) -> torch.Tensor:
-    actor = make_actor(path, 0.5, tp=2, micro_batch_size=2)
-    actor.load_checkpoint(ckpt)
-    return actor.compute_ref_logprobs(synthetic_batch(LENS))
+def reference_at_tp2_and_pp2(path: str, ckpt: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for layout in ({"tp": 2}, {"pp": 2}):
+        actor = make_actor(path, 0.5, micro_batch_size=2, **layout)
+        actor.load_checkpoint(ckpt)
+        out[str(layout)] = actor.compute_ref_logprobs(synthetic_batch(LENS))
+    return out
 
 
 # Slow: one spawn of two fresh processes importing torch + megatron-core (~20-30 s on 2 cores).
 @pytest.mark.slow
-def test_reference_reshards_from_tp1_to_tp2(tiny_model, tmp_path):
+def test_reference_reshards_to_tp2_and_pp2(tiny_model, tmp_path):
     from colocate_rl.trainer import run_on_ranks
 
     path = tiny_model("qwen3-small")
@@ -197,7 +200,8 @@ def test_reference_reshards_from_tp1_to_tp2(tiny_model, tmp_path):
     for _ in range(2):
         actor.train_step(batch)
     actor.save_checkpoint(str(tmp_path / "ckpt"))
-    got = run_on_ranks(reference_at_tp2, 2, str(path), str(tmp_path / "ckpt"))
-    assert (got - lp0).abs().max().item() <= 1e-5
+    got = run_on_ranks(reference_at_tp2_and_pp2, 2, str(path), str(tmp_path / "ckpt"))
+    for layout, lp in got.items():
+        assert (lp - lp0).abs().max().item() <= 1e-5, layout
     assert (actor.compute_logprobs(batch) - lp0).abs().max().item() > 0.1  # the policy itself moved
     assert (make_actor(path, 0.5).compute_logprobs(batch) - lp0).abs().max().item() > 0.1  # and SFT did
