@@ -107,14 +107,6 @@ class Actor:
             scratch=("grads",))
         self.reference: Optional[Reference] = None
 
-    def _build_reference_module(self):
-        """A bare model for the reference, on a copy of the config without the training hooks
-        ``_wrap`` adds: it runs forward only, and megatron-core's SequentialMLP deep-copies its
-        config, which the hooks (bound to the DDP and its process groups) cannot survive."""
-        config = copy.copy(self.model_config)
-        config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
-        return build_model(self.family, self.hf_config, config)
-
     # ------------------------------------------------------------ build
 
     def _wrap(self, module):
@@ -150,6 +142,14 @@ class Actor:
         self.model_config.finalize_model_grads_func = finalize_model_grads
         self.model_config.grad_scale_func = optimizer.scale_loss
         return ddp, optimizer, scheduler
+
+    def _build_reference_module(self):
+        """A bare model for the reference, on a copy of the config without the training hooks
+        ``_wrap`` adds: it runs forward only, and megatron-core's SequentialMLP deep-copies its
+        config, which the hooks (bound to the DDP and its process groups) cannot survive."""
+        config = copy.copy(self.model_config)
+        config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
+        return build_model(self.family, self.hf_config, config)
 
     # ------------------------------------------------------------ forward / backward plumbing
 

@@ -67,6 +67,7 @@ def test_reference_on_host_leaves_the_device_after_train_step(tiny_model, dtype)
                 actor.offload()
                 actor.onload()
                 assert ref.device_bytes() == 0
+                del ref
             del actor
     assert abs(grown["host"] - grown["none"]) < ref_bytes // 8, grown
     assert grown["device"] - grown["host"] >= ref_bytes, grown
