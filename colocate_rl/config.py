@@ -106,6 +106,10 @@ class ActorConfig:
     # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).
     fp32_residual: bool = False
     max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
+    # Only with algorithm.kl_coef > 0: keep the reference policy on the device for the whole run
+    # instead of in host memory (pinned) between its forward passes; same numbers, no copies, and
+    # its bytes stay on the device through the rollout too.
+    ref_on_device: bool = False
 
 
 @dataclass
@@ -127,6 +131,8 @@ class AlgorithmConfig:
     # dr_grpo: the loss is Σ tokens / (loss_norm_tokens × sequences); 0 = rollout.max_response_tokens
     loss_norm_tokens: int = 0
     is_clamp: float = 2.0  # token IS weight cap C for the train/rollout mismatch; 0 disables it
+    # > 0: add kl_coef x KL(policy || reference) per response token to the loss; the reference is the
+    # policy's weights at the first GRPO step (after any SFT warm-start), frozen (trainer/reference.py).
     kl_coef: float = 0.0
     kl_type: str = "k3"  # k1 | k3
     # token_mean | seq_mean_token_mean, for ppo_clip and cispo; gspo and dr_grpo use their papers'
@@ -504,6 +510,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines} must be >= 0 (0: as many as fit)")
     if cfg.supervise.max_restarts < 0:
         raise ConfigError(f"supervise.max_restarts={cfg.supervise.max_restarts} must be >= 0")
+    if cfg.algorithm.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} must be >= 0 (0 disables the KL penalty)")
 
     pl = cfg.placement
     if pl.gpus_per_node < -1:

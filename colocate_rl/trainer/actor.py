@@ -9,11 +9,16 @@ Loss scaling, stated once: the policy loss of a micro-batch is normalised by the
 sequence) count of its whole mini-batch, so micro-batch losses *sum* to the mini-batch loss.
 Megatron's schedule divides each returned loss by the number of micro-batches and its DDP averages
 gradients over data-parallel ranks; the loss function multiplies by both to undo that.
+
+With algorithm.kl_coef > 0 the actor also holds the reference policy (trainer/reference.py): the
+policy's weights when the first GRPO step runs (after any SFT warm-start), or those restored from
+a checkpoint. train_step scores the batch with it; with kl_coef = 0 none is built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import time
@@ -33,10 +38,15 @@ from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
 from colocate_rl.trainer.logprobs import token_logprobs
 from colocate_rl.trainer.offload import HostOffload
+from colocate_rl.trainer.reference import Reference
 from colocate_rl.types import RolloutBatch
 from colocate_rl.weight_sync.verify import checksums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoints: the reference policy's sharded keys are the policy's with this prefix, and the
+# checkpoint's content metadata says whether it holds one.
+_REF_PREFIX = "reference_policy."
+_HAS_REFERENCE = "has_reference_policy"
 
 
 class Actor:
@@ -44,7 +54,9 @@ class Actor:
     ``cfg.algorithm`` (loss), ``cfg.rollout.temperature`` (logprobs of the sampling distribution).
 
     Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
-    (Megatron optimizer), ``scheduler`` (OptimizerParamScheduler), ``hf_config``, ``specs``.
+    (Megatron optimizer), ``scheduler`` (OptimizerParamScheduler), ``hf_config``, ``specs``,
+    ``reference`` (the KL penalty's reference policy, see trainer/reference.py; None until the first
+    GRPO step with algorithm.kl_coef > 0 or a checkpoint that holds one).
     """
 
     def __init__(self, cfg: Config):
@@ -84,6 +96,7 @@ class Actor:
         self._offload = HostOffload(
             {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors},
             scratch=("grads",))
+        self.reference: Optional[Reference] = None
 
     # ------------------------------------------------------------ build
 
@@ -121,6 +134,14 @@ class Actor:
         self.model_config.grad_scale_func = optimizer.scale_loss
         return ddp, optimizer, scheduler
 
+    def _build_reference_module(self):
+        """A bare model for the reference, on a copy of the config without the training hooks
+        ``_wrap`` adds: it runs forward only, and megatron-core's SequentialMLP deep-copies its
+        config, which the hooks (bound to the DDP and its process groups) cannot survive."""
+        config = copy.copy(self.model_config)
+        config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
+        return build_model(self.family, self.hf_config, config)
+
     # ------------------------------------------------------------ forward / backward plumbing
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:
@@ -136,16 +157,16 @@ class Actor:
         output = model(tokens, positions, None)  # last stage: logits [b, t, V/tp]; else hidden states
         return output, partial(loss_fn, item, tokens)
 
-    def _run(self, items: list, loss_fn: Callable, forward_only: bool) -> list:
-        """Runs the micro-batches through Megatron's (pipeline) schedule; returns the loss_fn outputs
-        collected on the last pipeline stage (empty elsewhere)."""
+    def _run(self, items: list, loss_fn: Callable, forward_only: bool, model=None) -> list:
+        """Runs the micro-batches through Megatron's (pipeline) schedule on ``model`` (default: the
+        policy); returns the loss_fn outputs collected on the last pipeline stage (empty elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         seq = max(i[0].tokens.shape[1] for i in items)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iter(items),
-            model=[self.model],
+            model=[self.model if model is None else model],
             num_microbatches=len(items),
             seq_length=seq,
             micro_batch_size=max(i[0].size for i in items),
@@ -170,6 +191,18 @@ class Actor:
         """[B, T] float32 (cpu): logprob of tokens[:, t] given tokens[:, :t]; 0 at t = 0 and on padding."""
         self._check_onloaded()
         self.model.eval()
+        return self._logprobs(self.model, batch).cpu()
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """compute_logprobs of the reference policy (brought to the device for the pass, and back)."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy: it is taken at the first train_step with algorithm.kl_coef > 0")
+        with self.reference.resident() as module:
+            return self._logprobs(module, batch).cpu()
+
+    def _logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """compute_logprobs of ``model`` (in eval mode), left on the device."""
         b, t = batch.tokens.shape
         lengths = batch.attention_mask.sum(1)
         mine = rank_micro_batches(torch.arange(b), lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
@@ -179,7 +212,7 @@ class Actor:
         def logprobs_of(item, tokens, output, non_loss_data=False):
             return token_logprobs(output, tokens, temperature)
 
-        outputs = self._run(items, logprobs_of, forward_only=True)
+        outputs = self._run(items, logprobs_of, forward_only=True, model=model)
         out = torch.zeros(b, t, dtype=torch.float32, device=self.device)
         if self._ps.is_pipeline_last_stage():
             for (mb, rows), lp in zip(items, outputs):
@@ -189,7 +222,7 @@ class Actor:
         if self._ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(out, group_src=self._ps.get_pipeline_model_parallel_world_size() - 1,
                            group=self._ps.get_pipeline_model_parallel_group())
-        return torch.where(batch.attention_mask.to(self.device), out, 0.0).cpu()
+        return torch.where(batch.attention_mask.to(self.device), out, 0.0)
 
     # ------------------------------------------------------------ training
 
@@ -198,18 +231,27 @@ class Actor:
         """GRPO: ``actor.num_minibatches`` optimizer steps over ``batch``. old_logprobs [B, T]: the
         actor's before this call (compute_logprobs); None with one optimizer step, where the training
         forward's own logprobs, detached, are exactly those (no weight has changed yet when each
-        micro-batch runs), which saves a forward pass over the batch. ref_logprobs [B, T] only when
-        algorithm.kl_coef > 0. Returns metrics averaged over the optimizer steps: loss, grad_norm, lr,
-        the loss's own metrics (train_rollout_logprob_abs_diff among them), tokens and tokens_per_s."""
+        micro-batch runs), which saves a forward pass over the batch. ref_logprobs [B, T]: the
+        reference policy's, used only when algorithm.kl_coef > 0; None scores the batch with the
+        actor's own reference (taken from the policy at the first such call unless a checkpoint
+        restored one). Returns metrics averaged over the optimizer steps: loss, grad_norm, lr, the
+        loss's own metrics (train_rollout_logprob_abs_diff; kl_ref, the KL estimator's mean over
+        response tokens, when kl_coef > 0), tokens and tokens_per_s; with kl_coef > 0 also kl_coef
+        and ref_time_s (the reference's forward pass, 0 when ref_logprobs were given)."""
         if batch.advantages is None:
             raise ValueError("RolloutBatch.advantages is None: compute advantages before train_step")
         if old_logprobs is None and self.cfg.actor.num_minibatches > 1:
             raise ValueError(f"actor.num_minibatches={self.cfg.actor.num_minibatches}: every optimizer step after "
                              "the first needs old_logprobs from before the first (compute_logprobs)")
-        if old_logprobs is not None and old_logprobs.shape != batch.tokens.shape:
-            raise ValueError(
-                f"old_logprobs has shape {tuple(old_logprobs.shape)}, expected {tuple(batch.tokens.shape)}")
+        for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+            if lp is not None and lp.shape != batch.tokens.shape:
+                raise ValueError(f"{name} has shape {tuple(lp.shape)}, expected {tuple(batch.tokens.shape)}")
         alg, temperature, dev = self.cfg.algorithm, self.cfg.rollout.temperature, self.device
+        ref_s = 0.0
+        if alg.kl_coef > 0 and ref_logprobs is None:
+            t0 = time.perf_counter()
+            ref_logprobs = self._reference_logprobs(batch)
+            ref_s = time.perf_counter() - t0
 
         def grpo_loss(counts, item, tokens, output):
             mb, old, ref = item
@@ -225,7 +267,25 @@ class Actor:
             return (mb, None if old_logprobs is None else old_logprobs[rows, :t].to(dev),
                     None if ref_logprobs is None else ref_logprobs[rows, :t].to(dev))
 
-        return self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
+        out = self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
+        if alg.kl_coef > 0:
+            out.update(kl_coef=alg.kl_coef, ref_time_s=ref_s)
+        return out
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] on the device: the reference's logprobs of the batch, the reference taken from the
+        policy now if there is none yet. In host mode its device memory is given back before
+        training, so it is never resident together with the activations of the backward pass."""
+        self._check_onloaded()
+        if self.reference is None:
+            self.reference = Reference.snapshot(self._build_reference_module(), self.model.module,
+                                                self.cfg.actor.ref_on_device)
+        with self.reference.resident() as module:
+            out = self._logprobs(module, batch)
+            if platform.has_gpu():
+                torch.cuda.synchronize()  # the pass's seconds, not its launch's
+        return out
 
     def sft_step(self, batch: RolloutBatch, lr: Optional[float] = None) -> dict[str, float]:
         """One optimizer step of supervised NLL on the loss_mask tokens (token mean over the batch),
@@ -363,9 +423,10 @@ class Actor:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer and LR schedule into the folder ``path`` through megatron-core's
-        distributed checkpointing (collective: each rank writes its own shards; the result loads at
-        another TP/PP/EP). Needs every part onloaded."""
+        """Model, optimizer, LR schedule and the reference policy (when there is one) into the folder
+        ``path`` through megatron-core's distributed checkpointing (collective: each rank writes its
+        own shards; the result loads at another TP/PP/EP). Needs every part onloaded; a reference
+        kept on the host visits the device for the save."""
         from megatron.core import dist_checkpointing
 
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -377,25 +438,46 @@ class Actor:
         # outlives a run ended by os._exit and needs import-safe __main__ modules.
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = queue.Queue()
-        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+        ref = self.reference
+        with ref.resident() if ref else contextlib.nullcontext():
+            dist_checkpointing.save(self._sharded_state(loading=False), str(path),
+                                    content_metadata={_HAS_REFERENCE: ref is not None})
 
     def load_checkpoint(self, path: str) -> None:
-        """The inverse of ``save_checkpoint``, resharding to this actor's layout where needed."""
+        """The inverse of ``save_checkpoint``, resharding to this actor's layout where needed. A
+        checkpoint without a reference policy drops this actor's (the next GRPO step with
+        algorithm.kl_coef > 0 takes one); with kl_coef = 0 a saved reference is not loaded."""
         from megatron.core import dist_checkpointing
 
         self._check_onloaded()
+        saved_ref = bool((dist_checkpointing.load_content_metadata(str(path)) or {}).get(_HAS_REFERENCE))
+        if not (saved_ref and self.cfg.algorithm.kl_coef > 0):
+            self.reference = None
+        elif self.reference is None:  # its weights come from the checkpoint
+            self.reference = Reference(self._build_reference_module(), self.cfg.actor.ref_on_device)
+        ref = self.reference
         # Loading optimizer state runs the same tensor-type checks as building the optimizer.
         cpu_types = contextlib.nullcontext() if platform.has_gpu() else platform.megatron_tensor_methods_on_cpu()
-        with cpu_types:
+        with cpu_types, ref.resident(changed=True) if ref else contextlib.nullcontext():
             state = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            if ref is not None:
+                ref.module.load_state_dict(state["ref"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def _sharded_state(self, loading: bool) -> dict:
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
         model = self.model.module.sharded_state_dict()
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading),
-                "scheduler": self.scheduler.state_dict()}  # a plain dict: saved once, in common.pt
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading),
+                 "scheduler": self.scheduler.state_dict()}  # a plain dict: saved once, in common.pt
+        if self.reference is not None:
+            # Its own namespace of sharded keys: megatron-core reshards it like the policy's.
+            ref = self.reference.module.sharded_state_dict()
+            replace_prefix_for_sharding(ref, "", _REF_PREFIX)
+            state["ref"] = ref
+        return state
 
     # ------------------------------------------------------------ weights out
 

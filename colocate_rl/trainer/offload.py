@@ -12,6 +12,9 @@ reachable from several parts (fp32 training: the optimizer's parameters *are* th
 to the first part that lists it. A *scratch* part holds nothing worth keeping between uses (the
 gradients: zeroed before every backward), so it is freed without a copy and comes back zero-filled:
 the bytes it would have moved both ways (a fifth of the actor's state in bf16 training) stay put.
+A *frozen* part does not change while it is on the device (the reference policy of the KL
+penalty), so once its host copy is taken, offloading it only frees the device memory; ``changed``
+says its device bytes were rewritten (loaded from a checkpoint) and the next offload copies again.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ TensorsFn = Callable[[], Iterable[Optional[torch.Tensor]]]
 
 class HostOffload:
     """``parts``: name → function listing that part's tensors (duplicates, views and None are fine),
-    in ownership order. ``scratch``: the parts among them that are freed rather than copied."""
+    in ownership order. ``scratch``: the parts among them that are freed rather than copied.
+    ``frozen``: the parts whose host copy, once taken, stays valid (see the module doc)."""
 
-    def __init__(self, parts: dict[str, TensorsFn], scratch: Sequence[str] = ()):
+    def __init__(self, parts: dict[str, TensorsFn], scratch: Sequence[str] = (), frozen: Sequence[str] = ()):
         self._parts = parts
         self._scratch = set(self._select(scratch))
+        self._frozen = set(self._select(frozen))
+        self._host_valid: set[str] = set()  # frozen parts whose host buffers hold their current bytes
         # part → (storage, its host copy or None for scratch, its size in bytes)
         self._moved: dict[str, list[tuple[torch.UntypedStorage, Optional[torch.Tensor], int]]] = {}
         self._host: dict[tuple[str, int], torch.Tensor] = {}  # reused buffers (GPU: pinned)
@@ -44,6 +50,10 @@ class HostOffload:
     def offloaded(self, part: Optional[str] = None) -> bool:
         """Is ``part`` (default: any part) on the host?"""
         return part in self._moved if part else bool(self._moved)
+
+    def changed(self, part: str) -> None:
+        """``part``'s bytes on the device were rewritten: a frozen part is copied at its next offload."""
+        self._host_valid.discard(self._select([part])[0])
 
     def _owned(self) -> dict[str, list[torch.UntypedStorage]]:
         dev = platform.device()
@@ -79,6 +89,7 @@ class HostOffload:
         total = 0
         for part in todo:
             moved = []
+            valid = part in self._host_valid
             for i, s in enumerate(owned[part]):
                 n = s.nbytes()
                 if not n:
@@ -90,10 +101,14 @@ class HostOffload:
                 if host is None or host.numel() != n:
                     host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
                     self._host[(part, i)] = host
-                host.copy_(_bytes(s), non_blocking=pin)
+                    valid = False
+                if not valid:
+                    host.copy_(_bytes(s), non_blocking=pin)
+                    total += n
                 moved.append((s, host, n))
-                total += n
             self._moved[part] = moved
+            if part in self._frozen:
+                self._host_valid.add(part)
         if pin:
             torch.cuda.synchronize()
         for part in todo:

@@ -193,6 +193,12 @@ def test_reward_and_task_knobs():
     assert "data.arithmetic" in err(["data.arithmetic.ops=/"])
 
 
+def test_kl_penalty_knobs():
+    assert "algorithm.kl_coef=-0.1 must be >= 0" in err(["algorithm.kl_coef=-0.1"])
+    cfg = load(base(), overrides=["algorithm.kl_coef=0.1", "actor.ref_on_device=true"])
+    assert cfg.actor.ref_on_device and cfg.algorithm.kl_coef == 0.1
+
+
 def test_preset_needing_gpus_fails_in_one_line_before_loading(monkeypatch):
     from pathlib import Path
 
