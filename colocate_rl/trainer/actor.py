@@ -115,8 +115,8 @@ class Actor:
         if host and self.dtype == torch.float16:
             raise ValueError("actor.optimizer_cpu_offload=true trains in bfloat16 or float32 (no fp16 loss scaling)")
         if a.optimizer_state_dtype != "float32" and not host:
-            raise ValueError(f"actor.optimizer_state_dtype={a.optimizer_state_dtype!r} needs actor.optimizer_cpu_offload="
-                             "true: megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam")
+            raise ValueError(f"actor.optimizer_state_dtype={a.optimizer_state_dtype!r} needs actor.optimizer_cpu_"
+                             "offload=true: megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam")
         # With host Adam, Megatron's optimizer is built only for what it decides: parameter groups
         # (weight-decay exclusions, lr/wd multipliers) and gradient-norm groups. Built as the plain
         # fp32 optimizer it allocates nothing (torch's Adam creates state on its first step).

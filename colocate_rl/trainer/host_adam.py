@@ -157,8 +157,8 @@ class HostAdam:
             for group in groups:
                 for p in group["params"]:
                     if _get_param_grad_norm_group(p) is not None:
-                        raise ValueError("HostAdam clips every parameter by one norm; a parameter in a separate "
-                                         f"grad-norm group ({_get_param_grad_norm_group(p)}) needs Megatron's optimizer")
+                        raise ValueError(f"HostAdam clips by one norm; a parameter of grad-norm group "
+                                         f"{_get_param_grad_norm_group(p)} needs Megatron's optimizer")
                     start, end = owned.get(p, (0, 0)) if distributed else (0, p.numel())
                     self._slices.append(_Slice(p, group, len(self._parts), start, end, n))
                     n += end - start
@@ -368,12 +368,16 @@ def _host_zeros(numel: int, dtype: torch.dtype, pinned: list) -> torch.Tensor:
     Registered rather than taken from torch's pinned allocator, which rounds every block up to a
     power of two: a 140 GB state buffer would hold 256 GB."""
     t = torch.zeros(numel, dtype=dtype)
-    if platform.has_gpu() and numel:
+    if not platform.has_gpu() or not numel:
+        return t
+    try:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) == 0:
-            pinned.append(t.data_ptr())
-        else:  # still correct, only slower: copies from pageable memory are synchronous
-            warnings.warn(f"cudaHostRegister failed ({err}): host Adam state stays pageable")
+    except (AttributeError, RuntimeError) as e:
+        err = e
+    if isinstance(err, Exception) or int(err) != 0:
+        warnings.warn(f"cudaHostRegister failed ({err}): host Adam state pinned by torch's allocator")
+        return t.pin_memory()
+    pinned.append(t.data_ptr())
     return t
 
 

@@ -54,19 +54,30 @@ def rel_to_update(w: dict, ref: dict, start: dict) -> float:
     return (num / den) ** 0.5
 
 
-def test_host_adam_equals_megatron_adam(tiny_model):
-    """Three steps (grad clipping active: the norms are > 1) through Megatron's fp32 Adam and
-    through the host Adam agree to fp32 rounding; the weights moved by far more than that."""
-    path = tiny_model("qwen3-tiny")
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_host_adam_equals_megatron_adam(tiny_model, shape):
+    """Three GRPO steps and an SFT step at its own lr, through Megatron's fp32 Adam and through the
+    host Adam, agree to fp32 rounding; the weights moved by far more than that. Compared along the
+    way: grad clipping (the norms are > 1), the LR warm-up the scheduler writes into param_groups,
+    weight decay with Megatron's exclusions (biases and norms), sft_step's lr override."""
+    path = tiny_model(shape)
     start = initial(path)
-    ref_m, ref = steps(make_actor(path), 3)
-    host = make_actor(path, optimizer_cpu_offload=True)
+    sched = dict(lr_warmup_steps=2, weight_decay=0.1)
+
+    def run(actor):
+        ms, _ = steps(actor, 3)
+        ms.append(actor.sft_step(synthetic_batch(**BATCH), lr=3e-3))
+        assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the schedule's again
+        return ms, weights(actor)
+
+    ref_m, ref = run(make_actor(path, **sched))
+    host = make_actor(path, optimizer_cpu_offload=True, **sched)
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host.optimizer.host_tensors())
-    got_m, got = steps(host, 3)
-    assert ref_m[0]["grad_norm"] > 1.0  # clipping is part of what is compared
+    got_m, got = run(host)
+    assert ref_m[0]["grad_norm"] > 1.0 and [m["lr"] for m in ref_m[:3]] == pytest.approx([0.0, 5e-4, 1e-3])
     for a, b in zip(ref_m, got_m):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["lr"] == a["lr"]
     zero = {n: torch.zeros_like(t) for n, t in start.items()}
     assert rel_to_update(start, ref, zero) > 1e-3  # the update is no small part of the weights
     assert rel_to_update(got, ref, start) <= 1e-5
@@ -152,12 +163,14 @@ def test_offload_moves_no_optimizer_state(tiny_model):
 LENS = [12, 9, 11, 6, 10, 7, 12, 5]  # as tests/integration/test_actor_parallel.py
 
 
-def two_ranks(path: str, ckpt: str) -> dict:
-    """At dp=2: one GRPO step with the plain and with the distributed host Adam; the distributed one
-    saves a checkpoint after its step."""
+def two_ranks(path: str, moe_path: str, ckpt: str) -> dict:
+    """At dp=2: one GRPO step with the plain and with the distributed host Adam (the distributed one
+    saves a checkpoint after its step), and one with experts split over the two ranks (ep=2: expert
+    parameters in Megatron's second optimizer, whose norm group differs from the dense one's)."""
     from colocate_rl.trainer import Actor
 
-    views = {"plain": grpo_step_view(path, dict(optimizer_cpu_offload=True), LENS)}
+    views = {"plain": grpo_step_view(path, dict(optimizer_cpu_offload=True), LENS),
+             "ep2": grpo_step_view(moe_path, dict(optimizer_cpu_offload=True, ep=2), LENS)}
     cfg = Config(model=ModelConfig(path=path, dtype="float32"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
     cfg.actor.optimizer_cpu_offload = cfg.actor.distributed_optimizer = True
@@ -173,18 +186,19 @@ def two_ranks(path: str, ckpt: str) -> dict:
 
 
 # Slow: one spawn of two fresh processes importing torch + megatron-core (~20-30 s on 2 cores),
-# each building two actors.
+# each building three actors.
 @pytest.mark.slow
 def test_two_data_parallel_ranks_match_one(tiny_model, tmp_path):
     """dp=2 (gradients all-reduced, or reduce-scattered with each rank updating its shard and the
-    parameters all-gathered) gives one rank's step; the distributed checkpoint, written by two ranks
-    that each hold half the state, resumes on one rank as if it had taken that step itself."""
+    parameters all-gathered) and ep=2 give one rank's step; the distributed checkpoint, written by
+    two ranks that each hold half the state, resumes on one rank as if it had taken that step itself."""
     from colocate_rl.trainer import run_on_ranks
 
-    path = str(tiny_model("qwen3-tiny"))
-    got = run_on_ranks(two_ranks, 2, path, str(tmp_path / "ckpt"))
-    ref = grpo_step_view(path, {}, LENS)
-    for name in ("plain", "distributed"):
+    path, moe_path = str(tiny_model("qwen3-tiny")), str(tiny_model("qwen3-moe-tiny"))
+    got = run_on_ranks(two_ranks, 2, path, moe_path, str(tmp_path / "ckpt"))
+    refs = {"plain": grpo_step_view(path, {}, LENS), "ep2": grpo_step_view(moe_path, {}, LENS)}
+    refs["distributed"] = refs["plain"]
+    for name, ref in refs.items():
         diff = (got[name]["after"] - ref["after"]).abs().max().item()
         assert diff <= 1e-5, f"{name}: logprobs after the step differ from one rank by {diff}"
         assert got[name]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name
