@@ -14,10 +14,11 @@ the arithmetic because it is the fast side: the alternative (gradients down, Ada
 weights up) moves 6 bytes instead of 24 but leaves ~10 elementwise passes per parameter to host
 cores that eight ranks share. Without a GPU the state is updated where it lies.
 
-What megatron-core 0.19.2 offers instead does not run here: its ``optimizer_cpu_offload``
-(HybridDeviceOptimizer) calls torch.cuda streams unconditionally (no CPU runs, so no CPU tests),
-keeps fp32 moments only (its host side is torch.optim.AdamW), and needs the precision-aware
-distributed optimizer; ``exp_avg_dtype=bf16`` needs TransformerEngine's FusedAdam.
+What megatron-core 0.19.2 offers instead does not fit: its ``optimizer_cpu_offload``
+(HybridDeviceOptimizer) calls torch.cuda streams unconditionally (it cannot run, nor be tested,
+without a GPU), keeps fp32 moments only (its host side is torch.optim.AdamW), and keeps fp32 master
+weights off the device only under the precision-aware distributed optimizer, which otherwise needs
+TransformerEngine's FusedAdam, as ``exp_avg_dtype=bf16`` does.
 
 Kept from Megatron, so the update is the one its optimizer makes: the parameter groups (weight-
 decay exclusions, lr/wd multipliers the scheduler reads) and the per-part gradient-norm groups, both
