@@ -4,6 +4,7 @@
     python benchmarks/actor_step.py --hidden 1024 --layers 8 --rows 32 --seq 512 --dtype bfloat16
     python benchmarks/actor_step.py --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 \
         --inter 3072 --vocab 151936 --rows 128 --seq 320 --micro-batch 16 --dtype bfloat16 --profile P.txt
+    python benchmarks/actor_step.py ... --optimizer-cpu-offload [--optimizer-state-dtype bfloat16]
 
 Our path: the Megatron actor (colocate_rl.trainer.Actor) at TP=PP=EP=1, one process. Baselines, in
 the same run and on the same weights and micro-batches:
@@ -12,7 +13,10 @@ the same run and on the same weights and micro-batches:
   - logprobs: the transformers model's forward + log_softmax/gather, no grad;
   - offload / onload: one torch copy of the same byte count between the device and a host buffer
     (pinned on GPU), i.e. the copy our path cannot avoid.
-Ratios > 1 mean our path is faster. Writes benchmarks/results/actor_step_<device>.json.
+Ratios > 1 mean our path is faster. With --optimizer-cpu-offload the actor keeps its Adam state in
+host memory (actor.optimizer_cpu_offload); the result's "optimizer" entry records that, the step
+time and the device memory the actor holds between steps. Writes
+benchmarks/results/actor_step_<device>[_host_adam].json.
 """
 
 from __future__ import annotations
@@ -193,6 +197,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default="")
     p.add_argument("--profile", default="", help="also write torch.profiler tables of one train step per side here")
+    p.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Adam state in host memory (actor.optimizer_cpu_offload)")
+    p.add_argument("--optimizer-state-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--optimizer-chunk-mb", type=int, default=256)
     a = p.parse_args()
 
     from colocate_rl import platform
@@ -204,6 +212,8 @@ def main() -> None:
         path = build_model(Path(tmp), a)
         cfg = Config(model=ModelConfig(path=str(path), dtype=a.dtype))
         cfg.actor.lr, cfg.actor.micro_batch_size = 1e-6, a.micro_batch
+        cfg.actor.optimizer_cpu_offload = a.optimizer_cpu_offload
+        cfg.actor.optimizer_state_dtype, cfg.actor.optimizer_chunk_mb = a.optimizer_state_dtype, a.optimizer_chunk_mb
         actor = Actor(cfg)
         batch = make_batch(a)
         tokens = float(batch.attention_mask.sum())
@@ -222,6 +232,8 @@ def main() -> None:
             for k, fn in fns.items():
                 runs[k].append(seconds(fn))
         t = {k: sorted(v)[a.repeat // 2] for k, v in runs.items()}
+        _sync()
+        held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # between steps
         if a.profile:
             write_profile(Path(a.profile), {"ours (Megatron actor)": fns["ours_train"], "transformers": hf_train})
         nbytes, _ = actor.offload()  # the first cycle allocates the host buffers
@@ -250,9 +262,13 @@ def main() -> None:
                     "ratio_ours_over_memcpy": d2h / t_off},
         "onload": {"bytes": nbytes, "ours_GBps": gbps(t_on), "memcpy_GBps": gbps(h2d),
                    "ratio_ours_over_memcpy": h2d / t_on},
+        "optimizer": {"cpu_offload": a.optimizer_cpu_offload, "state_dtype": a.optimizer_state_dtype,
+                      "chunk_mb": a.optimizer_chunk_mb, "ours_train_step_s": t["ours_train"],
+                      "device_bytes_between_steps": held},
     }
     print(json.dumps(result, indent=2))
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"actor_step_{platform.kind()}.json"
+    suffix = "_host_adam" if a.optimizer_cpu_offload else ""
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"actor_step_{platform.kind()}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -100,6 +100,22 @@ class ActorConfig:
     # (nothing on CPU, where there is no device memory to hand over); all: every part, every step;
     # none: nothing (the plan stops the run if that does not fit).
     offload: str = "auto"
+    # Adam state in host memory (trainer/host_adam.py): a 284B model's fp32 master weights and two
+    # fp32 moments are ~12 bytes/param (3.4 TB) and fit no GPUs. The device keeps the bf16 weights
+    # and fp32 gradients; each step streams the state through it in chunks. Works with
+    # distributed_optimizer (each data-parallel rank keeps its shard's state) and without it.
+    optimizer_cpu_offload: bool = False
+    # float32 | bfloat16: dtype of Adam's exp_avg / exp_avg_sq (master weights stay fp32), 12 → 8
+    # bytes/param. Needs optimizer_cpu_offload (megatron-core keeps bf16 moments only in
+    # TransformerEngine's FusedAdam). bf16 keeps 8 significant bits, so a stored moment moves only
+    # by more than half a bf16 step (0.2-0.4% of itself): exp_avg_sq shrinks by at most (1 - beta2)
+    # per step, and at adam_beta2 above ~0.996 (the default 0.999) it can no longer decrease.
+    # DeepSeek-V3 trained with bf16 moments at beta2 = 0.95.
+    optimizer_state_dtype: str = "float32"
+    # MiB of fp32 master weights per streamed chunk (its moments follow). Two chunks are on the
+    # device at a time (~2 x 3 x chunk_mb with fp32 moments); results do not depend on it.
+    optimizer_chunk_mb: int = 256
+    offload: bool = True  # colocated: move params/optimizer to host, free grads, while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
@@ -361,6 +377,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "actor.offload": ("auto", "all", "none"),
+    "actor.optimizer_state_dtype": ("float32", "bfloat16"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "data.format": ("auto", "verl", "slime", "math"),
@@ -374,7 +391,7 @@ CHOICES = {
 
 POSITIVE = (
     "rollout.n", "rollout.max_response_tokens", "rollout.tensor_parallel_size",
-    "actor.tp", "actor.pp", "actor.ep", "actor.micro_batch_size", "actor.num_minibatches",
+    "actor.tp", "actor.pp", "actor.ep", "actor.micro_batch_size", "actor.num_minibatches", "actor.optimizer_chunk_mb",
     "data.max_prompt_tokens", "data.prompts_per_step", "reward.workers", "placement.nnodes", "steps",
 )
 
@@ -546,6 +563,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:
         raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
                           "weights the one-step-stale samples")
+    if cfg.actor.optimizer_state_dtype != "float32" and not cfg.actor.optimizer_cpu_offload:
+        raise ConfigError("actor.optimizer_state_dtype=bfloat16 needs actor.optimizer_cpu_offload=true "
+                          "(megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam)")
     if cfg.rollout.sync_timeout_s <= 0:
         raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
     if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"

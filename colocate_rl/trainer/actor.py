@@ -36,6 +36,7 @@ from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.registry import family_for, read_hf_config
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
+from colocate_rl.trainer.host_adam import HostAdam
 from colocate_rl.trainer.logprobs import token_logprobs
 from colocate_rl.trainer.offload import HostOffload
 from colocate_rl.trainer.reference import Reference
@@ -54,9 +55,10 @@ class Actor:
     ``cfg.algorithm`` (loss), ``cfg.rollout.temperature`` (logprobs of the sampling distribution).
 
     Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
-    (Megatron optimizer), ``scheduler`` (OptimizerParamScheduler), ``hf_config``, ``specs``,
-    ``reference`` (the KL penalty's reference policy, see trainer/reference.py; None until the first
-    GRPO step with algorithm.kl_coef > 0 or a checkpoint that holds one).
+    (Megatron optimizer, or ``HostAdam`` with ``actor.optimizer_cpu_offload``), ``scheduler``
+    (OptimizerParamScheduler), ``hf_config``, ``specs``, ``reference`` (the KL penalty's reference
+    policy, see trainer/reference.py; None until the first GRPO step with algorithm.kl_coef > 0 or a
+    checkpoint that holds one).
     """
 
     def __init__(self, cfg: Config):
@@ -113,15 +115,27 @@ class Actor:
                                           use_distributed_optimizer=a.distributed_optimizer),
             module,
         )
+        host = a.optimizer_cpu_offload
+        if host and self.dtype == torch.float16:
+            raise ValueError("actor.optimizer_cpu_offload=true trains in bfloat16 or float32 (no fp16 loss scaling)")
+        if a.optimizer_state_dtype != "float32" and not host:
+            raise ValueError(f"actor.optimizer_state_dtype={a.optimizer_state_dtype!r} needs actor.optimizer_cpu_"
+                             "offload=true: megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam")
+        # With host Adam, Megatron's optimizer is built only for what it decides: parameter groups
+        # (weight-decay exclusions, lr/wd multipliers) and gradient-norm groups. Built as the plain
+        # fp32 optimizer it allocates nothing (torch's Adam creates state on its first step).
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
                 adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.grad_clip,
-                bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
-                use_distributed_optimizer=a.distributed_optimizer,
+                bf16=self.dtype == torch.bfloat16 and not host, fp16=self.dtype == torch.float16 and not host,
+                params_dtype=self.dtype, use_distributed_optimizer=a.distributed_optimizer and not host,
             ),
             [ddp],
         )
+        if host:
+            optimizer = HostAdam(optimizer, ddp, clip_grad=a.grad_clip, state_dtype=a.optimizer_state_dtype,
+                                 chunk_mb=a.optimizer_chunk_mb, distributed=a.distributed_optimizer)
         total_steps = max(self.cfg.steps * a.num_minibatches, a.lr_warmup_steps + 1)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps,
@@ -393,7 +407,11 @@ class Actor:
             yield buf.grad_data
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        """fp32 main parameters (bf16 training) and their .grad views, Adam moments."""
+        """fp32 main parameters (bf16 training) and their .grad views, Adam moments; none with the
+        host Adam, whose state never leaves host memory."""
+        if isinstance(self.optimizer, HostAdam):
+            yield from self.optimizer.device_tensors()
+            return
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(opt, "optimizer", None)
             if inner is None:

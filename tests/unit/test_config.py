@@ -212,3 +212,12 @@ def test_preset_needing_gpus_fails_in_one_line_before_loading(monkeypatch):
     with pytest.raises(ConfigError, match="preset='nope' is not one of tiny, qwen3-8b"):
         cli.preset_config(recipes / "qwen3_grpo.yaml", "nope", recipe="qwen3_grpo")
     cli.check_hardware(load(cli.preset_config(recipes / "qwen3_grpo.yaml", "tiny", recipe="qwen3_grpo")))
+
+
+def test_optimizer_state_on_host_and_its_dtype():
+    cfg = load(base(), overrides=["actor.optimizer_cpu_offload=true", "actor.optimizer_state_dtype=bfloat16"])
+    assert cfg.actor.optimizer_state_dtype == "bfloat16" and cfg.actor.optimizer_chunk_mb == 256
+    assert "needs actor.optimizer_cpu_offload=true" in err(["actor.optimizer_state_dtype=bfloat16"])
+    assert "is not one of float32, bfloat16" in err(["actor.optimizer_cpu_offload=true",
+                                                     "actor.optimizer_state_dtype=float16"])
+    assert "actor.optimizer_chunk_mb=0 must be >= 1" in err(["actor.optimizer_chunk_mb=0"])

@@ -55,6 +55,10 @@ def test_presets_hold_the_published_values():
     if mod.missing("colocated"):
         with pytest.raises(SystemExit, match="preset colocated needs what colocate_rl does not have yet"):
             mod.config("colocated")
+    else:  # every field it needs exists: the preset applies their values and validates
+        cfg = load(mod.config("colocated"))
+        assert cfg.actor.optimizer_cpu_offload and cfg.actor.optimizer_state_dtype == "bfloat16"
+        assert cfg.actor.distributed_optimizer and (cfg.actor.tp, cfg.actor.ep) == (1, 8)
 
 
 def test_tiny_preset_validates_with_the_transformers_rollout():
