@@ -115,7 +115,6 @@ class ActorConfig:
     # MiB of fp32 master weights per streamed chunk (its moments follow). Two chunks are on the
     # device at a time (~2 x 3 x chunk_mb with fp32 moments); results do not depend on it.
     optimizer_chunk_mb: int = 256
-    offload: bool = True  # colocated: move params/optimizer to host, free grads, while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →

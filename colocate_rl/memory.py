@@ -76,6 +76,7 @@ class MemoryPlan:
     parts: dict[str, int] = field(default_factory=dict)
     offload: tuple[str, ...] = ("grads", "optimizer", "params")
     colocated: bool = True
+    reference_resident: bool = False  # actor.ref_on_device: the reference stays through the rollout too
     host_per_node: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -84,8 +85,8 @@ class MemoryPlan:
         return [ACTOR_PARTS[p] for p in ACTOR_PARTS if p not in self.offload]
 
     def resident_parts(self, phase: Phase) -> list[str]:
-        kept = self.kept()
-        actor_all = ["actor_params", "actor_grads", "actor_optimizer", "activations"]
+        kept = self.kept() + (["reference"] if self.reference_resident else [])
+        actor_all = ["actor_params", "actor_grads", "actor_optimizer", "activations", "reference"]
         by_phase = {
             Phase.ROLLOUT: ["rollout_weights", "kv_cache", *kept],
             Phase.IDLE: kept,
@@ -162,13 +163,16 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     per_gpu = dense / (tp * pp) + size.experts / (ep * pp)
     parts: dict[str, int] = {"actor_params": int(per_gpu * pb), "actor_grads": int(per_gpu * 4)}
     # Adam: fp32 master weights (unless the model is fp32) + two moments.
-    moment = 2 if getattr(a, "optimizer_state_dtype", "float32") == "bfloat16" else 4
+    moment = 2 if a.optimizer_state_dtype == "bfloat16" else 4
     opt_per_param = (0 if pb == 4 else 4) + 2 * moment
     shard = dense / (tp * pp) / (dp if a.distributed_optimizer else 1) + \
         size.experts / (ep * pp) / (max(tp * dp // ep, 1) if a.distributed_optimizer else 1)
     opt_bytes = int(shard * opt_per_param)
-    on_host = bool(getattr(a, "optimizer_cpu_offload", False))
-    parts["actor_optimizer"] = 0 if on_host else opt_bytes
+    on_host = a.optimizer_cpu_offload
+    # Host Adam streams its state through the device two chunks at a time (master + 2 moments each).
+    parts["actor_optimizer"] = int(2 * a.optimizer_chunk_mb * 2**20 * (4 + 2 * moment) / 4) if on_host else opt_bytes
+    if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: on the device for its forward pass
+        parts["reference"] = parts["actor_params"]
     # Activations of one micro-batch per pipeline stage in flight (Korthikanti et al.: ~34·s·b·h bytes
     # per layer in 16-bit, split by TP; full recompute keeps ~2·s·b·h per layer plus one whole layer),
     # plus the fp32 logits and their gradient (s·b·V/tp each).
@@ -195,7 +199,8 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     if capacity and not r.kv_cache_memory_mb and parts["kv_cache"] == 0:
         notes.append(f"vLLM's share (rollout.gpu_memory_utilization={r.gpu_memory_utilization}) does not even "
                      "hold its weights")
-    plan = MemoryPlan(capacity=capacity, parts=parts, colocated=layout.colocated, notes=notes)
+    plan = MemoryPlan(capacity=capacity, parts=parts, colocated=layout.colocated, notes=notes,
+                      reference_resident=cfg.algorithm.kl_coef > 0 and a.ref_on_device)
     choices = {"all": [OFFLOAD_CHOICES[-1]], "none": [()], "auto": list(OFFLOAD_CHOICES)}[a.offload]
     if a.offload == "auto" and not capacity:
         choices = [()]  # CPU: host memory is the only memory; moving it would only cost copies
@@ -205,7 +210,8 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
             break
     gpus_per_node = max(layout.gpus_per_node, 1)
     host = sum(parts[ACTOR_PARTS[p]] for p in plan.offload if p != "grads") if layout.colocated else 0
-    plan.host_per_node = int((host + (opt_bytes if on_host else 0)) * gpus_per_node)
+    reference_host = parts.get("reference", 0) if not plan.reference_resident else 0
+    plan.host_per_node = int((host + reference_host + (opt_bytes if on_host else 0)) * gpus_per_node)
     return plan
 
 

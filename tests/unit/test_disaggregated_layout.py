@@ -39,14 +39,18 @@ def test_one_node_split_and_several_engines():
     assert two_gpu.actor == [{"GPU": 1.0, "CPU": 1.0}] and two_gpu.rollout == [{"GPU": 1.0, "CPU": 1.0}]
 
 
-def test_engines_must_fill_the_rollout_gpus():
-    c = cfg("placement.gpus_per_node=8", "placement.actor_gpus=4", "rollout.tensor_parallel_size=2")
+def test_engines_fill_the_rollout_gpus():
+    """rollout.num_engines=0 (the default) is as many engines as the rollout GPUs hold; a number
+    that does not fill them stops at config load, naming the fix."""
+    assert len(pools(cfg("placement.gpus_per_node=8", "placement.actor_gpus=4",
+                         "rollout.tensor_parallel_size=2")).rollout) == 2
     with pytest.raises(ConfigError, match=r"rollout.num_engines=1 x rollout.tensor_parallel_size=2 must equal the 4 "
                                           r"rollout GPUs \(set rollout.num_engines=2\)"):
-        pools(c)
+        cfg("placement.gpus_per_node=8", "placement.actor_gpus=4", "rollout.tensor_parallel_size=2",
+            "rollout.num_engines=1")
     with pytest.raises(ConfigError, match="exceeds placement.gpus_per_node=8"):
-        pools(cfg("placement.nnodes=3", "placement.gpus_per_node=8", "placement.actor_nodes=1",
-                  "placement.rollout_nodes=2", "rollout.tensor_parallel_size=16"))
+        cfg("placement.nnodes=3", "placement.gpus_per_node=8", "placement.actor_nodes=1",
+            "placement.rollout_nodes=2", "rollout.tensor_parallel_size=16")
 
 
 def test_cpu_bundles_and_the_one_key_switch_of_a_recipe():
