@@ -81,7 +81,8 @@ def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float → (int8 [out, in/2] two e2m1 codes per byte, ue8m0 scale [out, in/32]), as the sync writes it."""
+    """[out, in] float → (int8 [out, in/2] two e2m1 codes per byte, ue8m0 scale [out, in/32]), as the
+    sync writes it."""
     from colocate_rl.weight_sync.released import quantize_mxfp4
 
     return quantize_mxfp4(w)

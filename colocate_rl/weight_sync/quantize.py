@@ -69,7 +69,9 @@ def sync_plan(engine_shapes: Mapping[str, Shape]) -> dict[str, str]:
     return plan
 
 
-def quantize_named(named: Iterable[tuple[str, torch.Tensor]], plan: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+def quantize_named(
+    named: Iterable[tuple[str, torch.Tensor]], plan: Mapping[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors with each planned weight replaced by its quantized (weight, scale) pair under
     the engine's names; others pass through. Lazy, like the actor's export: one tensor at a time."""
     for name, t in named:

@@ -281,7 +281,8 @@ def test_released_checkpoint_round_trips_bit_for_bit(tmp_path):
     for name, want in ckpt.items():
         got = sent[name]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), name
-        assert torch.equal(_bytes(got), _bytes(want)), f"{name}: {int((_bytes(got) != _bytes(want)).sum())} bytes differ"
+        differ = int((_bytes(got) != _bytes(want)).sum())
+        assert differ == 0, f"{name}: {differ} bytes differ"
 
     wire = {n: t for b in pack(quantize_named(iter(loaded), plan), bucket_mb=0.05) for n, t in unpack(b)}
     assert all(torch.equal(_bytes(wire[n]), _bytes(ckpt[n])) and wire[n].dtype == ckpt[n].dtype for n in ckpt)

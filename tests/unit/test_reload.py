@@ -75,7 +75,8 @@ class Gate(nn.Module):
     def __init__(self, hashed: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(E, D), requires_grad=False)
-        self.tid2eid = nn.Parameter(torch.zeros(VOCAB, TOPK, dtype=torch.int32), requires_grad=False) if hashed else None
+        table = torch.zeros(VOCAB, TOPK, dtype=torch.int32)
+        self.tid2eid = nn.Parameter(table, requires_grad=False) if hashed else None
 
 
 class Attn(nn.Module):
