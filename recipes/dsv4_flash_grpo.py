@@ -57,13 +57,6 @@ def missing(preset: str) -> list[str]:
                 check_parallel(official_config(num_attention_heads=4), tp, pp, 1)
             except ValueError:
                 gaps.append(what)
-        from colocate_rl.weight_sync import fp8
-
-        # The released rollout checkpoint holds ue8m0 ``.scale`` blocks and MXFP4 routed experts; the
-        # quantise-on-sync writes float32 ``_scale_inv`` blocks only.
-        if not any("mxfp4" in name.lower() for name in dir(fp8)):
-            gaps.insert(0, "FP8 sync in DeepSeek-V4's released layout (ue8m0 .scale blocks, MXFP4 routed "
-                           f"experts; weight_sync/fp8.py writes {fp8.SCALE_SUFFIX} blocks only)")
         import importlib.util
 
         if importlib.util.find_spec("colocate_rl.placement.disaggregated") is None:

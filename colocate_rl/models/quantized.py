@@ -72,31 +72,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 # ---------------------------------------------------------------- quantisers (writing test and tiny checkpoints)
 
 
-def _ue8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """Smallest power-of-two scale s with amax / s <= top, as float8_e8m0fnu."""
-    s = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / top)))
-    return s.to(torch.float8_e8m0fnu)
+def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float → (float8_e4m3fn weight, ue8m0 scale per 128x128 block), the released format:
+    the same quantiser the weight sync writes it with (weight_sync/released.py)."""
+    from colocate_rl.weight_sync.released import quantize_fp8_ue8m0
 
-
-def quant_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float → (float8_e4m3fn weight, ue8m0 scale per block), the released format."""
-    rows, cols = w.shape
-    pr, pc = -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1]
-    padded = torch.nn.functional.pad(w.float().abs(), (0, pc - cols, 0, pr - rows))
-    amax = padded.view(pr // block[0], block[0], pc // block[1], block[1]).amax(dim=(1, 3))
-    scale = _ue8m0(amax, torch.finfo(torch.float8_e4m3fn).max)
-    q = (w.float() / _expand(scale, block, (rows, cols))).to(torch.float8_e4m3fn)
-    return q, scale
+    return quantize_fp8_ue8m0(w)
 
 
 def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float → (int8 [out, in/2] two e2m1 codes per byte, ue8m0 scale [out, in/32]); rounds to nearest."""
-    rows, cols = w.shape
-    amax = w.float().abs().view(rows, cols // MXFP4_GROUP, MXFP4_GROUP).amax(-1)
-    scale = _ue8m0(amax, 6.0)
-    x = w.float() / _expand(scale, (1, MXFP4_GROUP), (rows, cols))
-    lut = torch.tensor(FP4_E2M1_VALUES[:8])
-    code = (x.abs().unsqueeze(-1) - lut).abs().argmin(-1) + 8 * (x < 0).long()
-    code = code.view(rows, cols // 2, 2)
-    packed = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale
+    """[out, in] float → (int8 [out, in/2] two e2m1 codes per byte, ue8m0 scale [out, in/32]), as the
+    sync writes it."""
+    from colocate_rl.weight_sync.released import quantize_mxfp4
+
+    return quantize_mxfp4(w)

@@ -14,8 +14,8 @@ CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES together to the GPUs Ray assigned i
 Weights travel over one broadcast group (weight_sync.broadcast): actor rank 0, which holds every
 full HF tensor after the export's gathers, is rank 0 of the group; engine e's worker w is rank
 1 + (workers of engines before e) + w. Every actor rank walks the export (its gathers are
-collective), only rank 0 sends. When the engines' checkpoint is block-FP8, rank 0 quantizes the
-weights it lists (weight_sync.fp8) before packing.
+collective), only rank 0 sends. When the engines' checkpoint is quantized, rank 0 quantizes the
+weights it holds quantized, each in its layout (weight_sync.quantize.sync_plan), before packing.
 
 An engine that dies is replaced in its bundle and re-synced over a group of its own (actor rank
 0 + its workers) while the other engines keep generating; the main group is formed again before
@@ -98,17 +98,17 @@ class TrainerRank(_Host):
             self.group.close()
             self.group = None
 
-    def broadcast_weights(self, bucket_mb: float, fp8: list[str]) -> SyncStats:
+    def broadcast_weights(self, bucket_mb: float, fp8: dict[str, str]) -> SyncStats:
         """Every rank walks the export (collective gathers); rank 0 packs and broadcasts."""
         from colocate_rl.weight_sync.buckets import pack
-        from colocate_rl.weight_sync.fp8 import quantize_named
+        from colocate_rl.weight_sync.quantize import quantize_named
 
         weights = self.obj.export_hf_weights()
         if self.group is None:
             for _ in weights:
                 pass
             return SyncStats()
-        return self.group.send(pack(quantize_named(weights, set(fp8)), bucket_mb))
+        return self.group.send(pack(quantize_named(weights, fp8), bucket_mb))
 
 
 
@@ -145,7 +145,7 @@ class RayDisaggregated:
     pgs: tuple  # (actor pool, rollout pool)
     authkey: bytes
     layout: Pools
-    fp8: list[str] = field(default_factory=list)  # weights the engines hold in block FP8
+    fp8: dict[str, str] = field(default_factory=dict)  # weight -> quantized format the engines hold it in
     rollout: Router | None = None
     buffer: RolloutBuffer | None = None
     version: int = 0  # weights version the engines hold (syncs so far)
@@ -309,9 +309,9 @@ def launch(cfg: Config) -> RayDisaggregated:
     w.pids = ray.get([h.pid.remote() for h in w.hosts])
     shapes = ray.get(w.hosts[0].call.remote("weight_shapes"))
     ray.get([r.node_ip.remote() for r in ranks])  # every rank built
-    from colocate_rl.weight_sync.fp8 import fp8_targets
+    from colocate_rl.weight_sync.quantize import sync_plan
 
-    w.fp8 = sorted(fp8_targets(shapes))
+    w.fp8 = sync_plan(shapes)
     r = cfg.rollout
     w.rollout = Router(w._submit, len(w.hosts), w.restart, is_lost, r.max_response_tokens, r.n)
     w.buffer = RolloutBuffer(w.rollout.generate, load_rollout_fn(r.custom_fn) if r.custom_fn else None,

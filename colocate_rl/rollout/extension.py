@@ -15,12 +15,15 @@ buckets from a broadcast group instead (``init_weight_broadcast`` once, then
 Loading differs by platform:
 - GPU: ``model.load_weights`` copies each tensor (or its shard) into the live parameters; fused
   q/k/v and gate/up shards land independently, so buckets may split them.
-- CPU: the linear layers' weights were repacked into kernel formats at load time (and removed from
-  the module), so ``load_weights`` alone fails. vLLM's layerwise reload restores each layer to
-  checkpoint format, buffers its incoming tensors until the layer is complete, then re-runs its
-  processing (repacking) and copies the result into the original storage. It is started in
-  ``begin_weight_sync`` and finished in ``end_weight_sync``, so a layer split across buckets is
-  processed once, complete. Two leftovers are fixed after it (see ``_fix_cpu_after_reload``).
+- CPU, and quantized engines (FP8, DeepSeek-V4's FP8 + MXFP4): the linear layers' weights were
+  repacked into kernel formats at load time (CPU GEMMs; FP8 scale packing, MXFP4 expert re-layout),
+  so a byte copy or ``load_weights`` into them is wrong. vLLM's layerwise reload restores each layer
+  to checkpoint format, buffers its incoming tensors until the layer is complete, then re-runs its
+  processing and copies the result into the original storage (rollout/reload.py, which also fixes
+  what it misses for DeepSeek-V4). It is started in ``begin_weight_sync`` and finished in
+  ``end_weight_sync``, so a layer split across buckets is processed once, complete, and layers the
+  sync leaves incomplete only at ``end_weight_sync``. Two CPU leftovers are fixed after it (see
+  ``_fix_cpu_after_reload``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from colocate_rl.rollout.reload import LayerwiseSync
 from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -114,7 +118,7 @@ class WeightReceiver:
             raise RuntimeError("begin_weight_sync: a weight sync is already in progress (end or abort it first)")
         if self._crl_layerwise():
             try:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+                import vllm.model_executor.model_loader.reload  # noqa: F401
             except ImportError as e:
                 import vllm
 
@@ -122,8 +126,9 @@ class WeightReceiver:
                                       f"(vllm.model_executor.model_loader.reload), missing in vLLM {vllm.__version__}"
                                       ) from e
 
+            st["reload"] = LayerwiseSync(self._crl_model())
             with set_current_vllm_config(self.vllm_config):
-                initialize_layerwise_reload(self._crl_model())
+                st["reload"].begin()
         st["active"] = True
 
     def update_weights_from_ipc(self, message: Message) -> dict[str, float]:
@@ -182,11 +187,15 @@ class WeightReceiver:
         st = self._crl_state()
         if not st["active"]:
             raise RuntimeError("end_weight_sync without begin_weight_sync")
-        if self._crl_layerwise():
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+        reload = st.get("reload")
+        if reload is not None:
             with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
+                try:
+                    reload.finish(self.vllm_config.model_config)
+                except BaseException:
+                    self.abort_weight_sync()
+                    raise
+                st.pop("reload")
                 if self._crl_cpu():
                     self._crl_fix_cpu_after_reload()
         st["active"] = False
@@ -202,16 +211,10 @@ class WeightReceiver:
         st = self._crl_state()
         if not st["active"]:
             return
-        if self._crl_layerwise():
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-            for info in LAYERWISE_INFO.values():
-                if info.can_load():  # not processed yet: drop what it buffered, finalize puts the old tensors back
-                    info.loaded_weights = []
-                    info.load_numel = 0
+        reload = st.pop("reload", None)
+        if reload is not None:
             with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(self._crl_model(), self.vllm_config.model_config)
+                reload.abort(self.vllm_config.model_config)
                 if self._crl_cpu():
                     self._crl_fix_cpu_after_reload()
         st["active"] = False
@@ -280,8 +283,12 @@ class WeightReceiver:
     def _crl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
 
+        reload = self._crl_state().get("reload")
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self._crl_model().load_weights(iter(named))
+            if reload is not None:
+                reload.load(named)
+            else:
+                self._crl_model().load_weights(iter(named))
 
     def _crl_fix_cpu_after_reload(self) -> None:
         """What vLLM 0.32's CPU layerwise reload leaves stale.

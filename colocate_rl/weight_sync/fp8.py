@@ -14,7 +14,9 @@ copy into the live parameters would skip that and leave the quantization state w
 extension reloads layer by layer for quantized engines for that reason (rollout/extension.py).
 
 Which weights are quantized is read from the engine's own checkpoint: a weight whose
-``<name>_scale_inv`` exists there. Nothing here needs an FP8-capable device: it is plain torch.
+``<name>_scale_inv`` exists there (weight_sync/quantize.py matches every layout it knows, this one
+and DeepSeek-V4's released one, weight_sync/released.py). Nothing here needs an FP8-capable
+device: it is plain torch.
 """
 
 from __future__ import annotations
@@ -32,16 +34,22 @@ AMAX_FLOOR = 1e-4
 SCALE_SUFFIX = "_scale_inv"
 
 
-def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """w [M, N] (any float dtype) → (q [M, N] float8_e4m3fn, scale [ceil(M/block), ceil(N/block)] float32)
     with w ≈ q.float() * scale expanded over each block. Each block's scale maps its largest
-    magnitude to e4m3's largest finite value (448); edge blocks cover the rows/columns that exist."""
+    magnitude to e4m3's largest finite value (448); edge blocks cover the rows/columns that exist.
+    ``name`` only labels errors (a non-matrix, inf/NaN)."""
     if w.dim() != 2:
-        raise ValueError(f"quantize_block_fp8: expected a 2-D weight, got shape {tuple(w.shape)}")
+        raise ValueError(f"quantize_block_fp8: expected a 2-D weight, got shape {tuple(w.shape)} for '{name}'")
     m, n = w.shape
     bm, bn = -(-m // block), -(-n // block)
     x = torch.zeros(bm * block, bn * block, dtype=torch.float32, device=w.device)
     x[:m, :n] = w.float()
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        r, c = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"weight sync: tensor '{name}' holds inf/NaN at [{r}, {c}] (block [{r // block}, "
+                         f"{c // block}]); it cannot be quantized")
     blocks = x.view(bm, block, bn, block)  # [bm, block, bn, block]
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)  # [bm, bn]
     scale = amax / E4M3_MAX
@@ -56,21 +64,31 @@ def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = BLOC
     return q.float() * s
 
 
+def scale_name(weight: str) -> str | None:
+    """``X.weight`` → ``X.weight_scale_inv``."""
+    return weight + SCALE_SUFFIX if weight.endswith("weight") else None
+
+
+def held(shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The actor's [M, N] → (weight, scale) shapes in the engine's checkpoint."""
+    m, n = shape
+    return (m, n), (-(-m // BLOCK), -(-n // BLOCK))
+
+
 def fp8_targets(engine_shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
-    """Names of the weights an engine holds in block FP8: those with a ``<name>_scale_inv`` tensor."""
-    return {name[: -len(SCALE_SUFFIX)] for name in engine_shapes if name.endswith("weight" + SCALE_SUFFIX)}
+    """Names of the weights an engine holds in this block-FP8 layout (``<name>_scale_inv`` beside them)."""
+    from colocate_rl.weight_sync.quantize import sync_plan
+
+    return {name for name, fmt in sync_plan(engine_shapes).items() if fmt == "fp8_block"}
 
 
 def quantize_named(named: Iterable[tuple[str, torch.Tensor]], targets: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors with every target weight replaced by (name, q) and (name + "_scale_inv", scale);
     others pass through. Lazy, like the actor's export: one tensor at a time."""
-    for name, t in named:
-        if name in targets:
-            q, s = quantize_block_fp8(t)
-            yield name, q
-            yield name + SCALE_SUFFIX, s
-        else:
-            yield name, t
+    from colocate_rl.weight_sync.quantize import quantize_named as quantize_planned
+
+    return quantize_planned(named, dict.fromkeys(targets, "fp8_block"))
 
 
-__all__ = ["BLOCK", "E4M3_MAX", "dequantize_block_fp8", "fp8_targets", "quantize_block_fp8", "quantize_named"]
+__all__ = ["BLOCK", "E4M3_MAX", "dequantize_block_fp8", "fp8_targets", "held", "quantize_block_fp8", "quantize_named",
+           "scale_name"]

@@ -69,7 +69,7 @@ def actor_checksums(s) -> dict[str, float]:
 
 def test_every_engine_holds_the_actors_weights_after_each_sync(session):
     s, w = session, session.workers
-    assert len(w.hosts) == 2 and w.fp8 == []  # a bf16/fp32 engine: nothing quantized on the way
+    assert len(w.hosts) == 2 and w.fp8 == {}  # a bf16/fp32 engine: nothing quantized on the way
     before = actor_checksums(s)
     for m in run_steps(s, 2):
         assert m["rollout/staleness"] == 0 and m["rollout/engine_restarts"] == 0

@@ -1,0 +1,147 @@
+"""DeepSeek-V4 rollout on a GPU, weights synced in the released layout: a vLLM engine started from a
+released-format checkpoint (FP8 e4m3 128x128 blocks with ue8m0 scales, MXFP4 routed experts)
+receives new bf16 weights quantized on the sender (weight_sync/quantize.py) three times in a row;
+after each sync it must sample what an engine started from a checkpoint of those same weights
+samples: the same tokens, logprobs within 1e-3. That holds only if every quantized layer's post-load
+processing (FP8 scale packing, MXFP4 expert re-layout) ran on the complete new weights, and the
+tensors vLLM's DeepSeek-V4 loader writes around its weight loaders (attention sinks) or never
+receives (hash-routing tables) came through the reload (rollout/reload.py).
+
+Needs what benchmarks/dsv4_parity_gpu.py needs: vLLM 0.26's GPU build and the packages
+scripts/dsv4_gpu_wheels.sh gathers (tilelang, the CuTe DSL, a CUDA compiler for the JITs). The
+first engine start JIT-compiles for minutes (441 s measured on an H200); the later five find the
+caches. The model keeps the released attention sizes vLLM's kernels require and is small elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+if torch.version.hip is None and torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("vLLM's DeepSeek-V4 kernels (FlashMLA sparse, DeepGEMM) need compute capability >= 9.0",
+                allow_module_level=True)
+pytest.importorskip("vllm.models.deepseek_v4", reason="needs vLLM's GPU build with DeepSeek-V4 (0.26)")
+pytest.importorskip("tilelang", reason="vLLM's DeepSeek-V4 mHC kernels need tilelang (scripts/dsv4_gpu_wheels.sh)")
+
+# As benchmarks/dsv4_parity_gpu.py runs vLLM's DeepSeek-V4 on the H200: FlashInfer's wrapper of the
+# DeepGEMM FP8 block GEMM JIT-builds against the full CUDA toolkit; DeepGEMM itself runs the same kernels.
+os.environ.setdefault("VLLM_DISABLED_KERNELS", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
+
+from colocate_rl.types import Sample  # noqa: E402
+
+SHAPE = dict(  # benchmarks/dsv4_parity_gpu.py's model: released attention sizes, small elsewhere
+    vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=512, o_lora_rank=512, o_groups=8, sliding_window=128,
+    compress_ratios=[0, 4, 128, 4], index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=16,
+    num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=512, num_hash_layers=2, swiglu_limit=10.0,
+    hc_mult=4, hc_sinkhorn_iters=20, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    eos_token_id=1, bos_token_id=0,
+)
+FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # routing state the actor never exports (models/deepseek_v4/weights.py)
+MAX_TOKENS, N = 24, 2
+
+
+def prompts() -> list[Sample]:
+    """300-700 tokens: the C4 and C128 compressors both have entries."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(300, 700, (4,), generator=g)
+    return [Sample(prompt_ids=torch.randint(2, SHAPE["vocab_size"], (int(n),), generator=g).tolist()) for n in lens]
+
+
+def moved(sd: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """What a training step would change: every exported tensor, by a few percent of its size."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(FROZEN) or not t.is_floating_point():
+            out[name] = t
+        else:
+            noise = torch.randn(t.shape, generator=g) * float(t.float().abs().mean().clamp(min=1e-3)) * 0.05
+            out[name] = (t.float() + noise).to(t.dtype)
+    return out
+
+
+def write(folder, hf: dict, sd: dict[str, torch.Tensor]):
+    """A released-format checkpoint of ``sd`` (models/deepseek_v4/synth.py's layout and config)."""
+    from safetensors.torch import save_file
+
+    from colocate_rl.models.deepseek_v4 import synth
+
+    folder.mkdir(parents=True)
+    held = synth.quantize_released(sd, hf)
+    save_file({n: t.contiguous() for n, t in held.items()}, str(folder / "model.safetensors"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    cfg = dict(hf, torch_dtype="bfloat16", expert_dtype="fp4", quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128]})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
+
+
+def engine(path):
+    from colocate_rl.config import Config
+    from colocate_rl.rollout import RolloutEngine
+
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = str(path), "bfloat16"
+    cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens, cfg.rollout.n = 700, MAX_TOKENS, N
+    cfg.rollout.max_model_len, cfg.rollout.temperature = 1024, 1.0
+    cfg.rollout.multiprocess, cfg.rollout.enforce_eager = True, True
+    cfg.rollout.gpu_memory_utilization = 0.5
+    # vLLM's DeepSeek-V4 keeps its KV cache in the fp8_ds_mla layout; sleep mode is not what this is about.
+    return RolloutEngine(cfg, kv_cache_dtype="fp8", enable_sleep_mode=False)
+
+
+def sample(eng):
+    b = eng.generate(prompts(), n=N, max_tokens=MAX_TOKENS, seed=7)
+    return b.tokens, b.rollout_logprobs, b.loss_mask
+
+
+def test_three_syncs_sample_as_engines_started_from_the_same_weights(tmp_path):
+    from colocate_rl.models.deepseek_v4 import synth
+    from colocate_rl.weight_sync.quantize import quantize_named, sync_plan
+
+    hf = synth.official_config(**SHAPE)
+    start = synth.random_state_dict(hf, seed=0, dtype=torch.bfloat16)
+    targets = [moved(start, k) for k in (1, 2, 3)]
+
+    eng = engine(write(tmp_path / "start", hf, start))
+    synced = []
+    try:
+        shapes = eng.weight_shapes()
+        plan = sync_plan(shapes)
+        held = synth.quantize_released(start, hf)
+        assert set(plan) == {n for n in held if n.endswith(".weight") and n[:-6] + "scale" in held}
+        assert {"fp8_ue8m0", "mxfp4"} == set(plan.values())
+        before = sample(eng)
+        for target in targets:
+            sent = [(n, t.cuda()) for n, t in target.items() if not n.endswith(FROZEN)]
+            stats = eng.update_weights(quantize_named(iter(sent), plan), bucket_mb=16)  # many buckets
+            assert stats.bytes > 0
+            synced.append(sample(eng))
+    finally:
+        eng.shutdown()
+
+    refs = []
+    for k, target in enumerate(targets, 1):
+        ref = engine(write(tmp_path / f"target{k}", hf, target))
+        try:
+            refs.append(sample(ref))
+        finally:
+            ref.shutdown()
+
+    mask = refs[0][2]
+    control = not torch.equal(before[0], refs[0][0]) or float((before[1] - refs[0][1])[mask].abs().max()) > 0.05
+    assert control, "control: the engine's starting weights sample differently from the first target"
+    for k, (got, want) in enumerate(zip(synced, refs), 1):
+        assert torch.equal(got[0], want[0]), f"sync {k}: the synced engine samples other tokens than the checkpoint's"
+        diff = float((got[1] - want[1])[want[2]].abs().max())
+        assert diff <= 1e-3, f"sync {k}: max |logprob diff| {diff} against the engine started from the checkpoint"
