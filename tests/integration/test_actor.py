@@ -252,10 +252,19 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_tp_not_dividing_heads_and_ep_not_dividing_experts(tiny_model):
-    with pytest.raises(ValueError, match="actor.tp=2 does not divide the model's num_key_value_heads=1"):
-        make_actor(tiny_model("qwen3-tiny"), tp=2)
-    with pytest.raises(ValueError, match="actor.ep=3 does not divide the model's num_experts=4"):
-        make_actor(tiny_model("qwen3-moe-tiny"), ep=3)
+    """The run's plan checks the layout against the model family before any rank starts."""
+    from colocate_rl.config import Config, ConfigError, ModelConfig, load
+    from colocate_rl.plan import resolve
+
+    def plan(shape: str, *overrides: str):
+        base = Config(model=ModelConfig(path=str(tiny_model(shape))))
+        return resolve(load(base, overrides=["placement.gpus_per_node=0", "data.max_prompt_tokens=16",
+                                             "rollout.max_response_tokens=16", *overrides]))
+
+    with pytest.raises(ConfigError, match="actor.tp=2 does not divide the model's num_key_value_heads=1"):
+        plan("qwen3-tiny", "actor.tp=2")
+    with pytest.raises(ConfigError, match="actor.ep=3 does not divide the model's num_experts=4"):
+        plan("qwen3-moe-tiny", "actor.ep=3", "actor.dp=3")
 
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):
