@@ -93,6 +93,10 @@ class ActorConfig:
     distributed_optimizer: bool = False
     offload: bool = True  # colocated: move params/optimizer to host, free grads, while vLLM runs
     recompute: bool = False  # activation recomputation (full layers)
+    # Split the per-token work (norms, residual, MoE routing) over the tensor-parallel ranks by
+    # sequence (Megatron's sequence parallelism; needs actor.tp > 1). Megatron's MoE layer trains with
+    # tensor parallelism only under it, so DeepSeek-V4 at actor.tp > 1 requires it.
+    sequence_parallel: bool = False
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
     # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).

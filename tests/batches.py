@@ -34,8 +34,8 @@ def synthetic_batch(lens: list[int], prompt_len: int = 3, vocab: int = 320, seed
 def grpo_step_view(path: str, overrides: dict, lens: list[int]) -> dict:
     """An fp32 actor at ``overrides`` (cfg.actor fields) on the model at ``path`` scores
     synthetic_batch(lens, seed=1), exports, takes one GRPO step (lr 1e-3, micro-batches of 2) and
-    scores again. Collective when the layout spans ranks; returns this rank's view: logprobs
-    before / after, the step's loss and grad norm, the exported tensors."""
+    scores and exports again. Collective when the layout spans ranks; returns this rank's view:
+    logprobs before / after, the step's loss and grad norm, the exported tensors before / after."""
     from colocate_rl.config import Config, ModelConfig
     from colocate_rl.trainer import Actor
 
@@ -50,4 +50,5 @@ def grpo_step_view(path: str, overrides: dict, lens: list[int]) -> dict:
     batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)
     m = actor.train_step(batch, before)
     return {"before": before, "after": actor.compute_logprobs(batch), "loss": m["loss"],
-            "grad_norm": m["grad_norm"], "exported": exported}
+            "grad_norm": m["grad_norm"], "exported": exported,
+            "exported_after": {n: t.clone() for n, t in actor.export_hf_weights()}}
