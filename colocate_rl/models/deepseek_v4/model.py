@@ -417,7 +417,15 @@ def moe_layer(config, h: Hparams, layer: int):
     router = functools.partial(_router_class(), hash_vocab=h.vocab_size if h.is_hash(layer) else 0)
     sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
                         router=router)
-    return MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+    moe = MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+    # Routed experts get an optimizer of their own at every layout. Megatron gives them one (its
+    # expert-parallel parameters, allreduce=False) whenever EP > 1 or expert TP != TP, so for this
+    # model at every layout but TP=1 x EP=1; the optimizer's checkpoint is structured by that
+    # split, and with one structure everywhere a checkpoint reshards between any two layouts. At
+    # TP=1 x EP=1 the expert data-parallel group is the data-parallel group: the same reductions.
+    for p in moe.experts.parameters():
+        p.allreduce = False
+    return moe
 
 
 # ---------------------------------------------------------------- decoder
@@ -478,7 +486,10 @@ class Decoder(MegatronModule):
             sd.update(part)
         for name, module in self.named_children():
             if module is not self.layers:
-                sd.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+                # The group must be named: without it a replicated tensor's replica id says TP rank 0 on
+                # every rank, and loading finds several main replicas.
+                sd.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                     tp_group=ps.get_tensor_model_parallel_group()))
         return sd
 
 
