@@ -3,8 +3,8 @@ logprobs before one GRPO step, the step's loss and grad norm, the weights after 
 export) and the logprobs after it.
 
 Two processes: TP=2 (heads, o-groups, sinks, vocabulary and the shared expert split, sequence
-parallelism), PP=2, EP=2 (data parallel 2) and TP=2 x EP=2 (experts over the tensor-parallel ranks),
-plus the gathered export of a bf16 model at PP=2 (its fp32 mHC parameters cross stages as fp32).
+parallelism), PP=2, EP=2 (data parallel 2) and TP=2 x EP=2 (experts over the tensor-parallel ranks;
+full recompute), plus the gathered export of a bf16 model at PP=2 (its fp32 mHC parameters cross stages as fp32).
 Four processes: TP=2 x PP=2 x EP=2, which also resumes a one-rank checkpoint (same logprobs, and
 the next step, which reads the restored Adam moments, moves the model as on one rank) and saves
 one that one rank loads (same weights, same logprobs): megatron-core reshards on load.
@@ -36,7 +36,7 @@ LAYOUTS = {  # world size 2
     "tp2": dict(tp=2, distributed_optimizer=True, **SP),
     "pp2": dict(pp=2),
     "ep2": dict(ep=2, distributed_optimizer=True),
-    "tp2ep2": dict(tp=2, ep=2, **SP),
+    "tp2ep2": dict(tp=2, ep=2, recompute=True, **SP),
 }
 MIXED = dict(tp=2, pp=2, ep=2, **SP)  # world size 4
 

@@ -5,7 +5,8 @@ hc = hc_mult residual streams, D hidden, H heads (H/tp on a rank), d head_dim, r
 compressed entries. The decoder keeps the residual as hc streams [s', b, hc, D] (mHC; Megatron's
 sequence-first layout), so it cannot be GPTModel's TransformerBlock; the routed MoE is Megatron's
 MoELayer (token dispatcher, SequentialMLP experts, shared expert) with a router that adds hash
-routing; projections that split over tensor parallelism are Megatron's Column/RowParallelLinear.
+routing; projections that split over tensor parallelism are Megatron's Row/ColumnParallelLinear
+(o up-projection, head) or HeadSplitLinear (q up-projection: its input is already whole).
 
 What each block computes (numerically the same order as transformers' deepseek_v4, the reference):
   mHC       pre/post/comb weights from the flattened streams (unweighted RMSNorm, one linear),
