@@ -225,6 +225,8 @@ def test_tp_not_dividing_heads_and_ep_not_dividing_experts(tiny_model):
         make_actor(tiny_model("qwen3-tiny"), tp=2)
     with pytest.raises(ValueError, match="actor.ep=3 does not divide the model's num_experts=4"):
         make_actor(tiny_model("qwen3-moe-tiny"), ep=3)
+    with pytest.raises(ValueError, match="actor.sequence_parallel=true needs actor.tp > 1"):
+        make_actor(tiny_model("qwen3-tiny"), sequence_parallel=True)
 
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):

@@ -4,7 +4,8 @@ export) and the logprobs after it.
 
 Two processes: TP=2 (heads, o-groups, sinks, vocabulary and the shared expert split, sequence
 parallelism), PP=2, EP=2 (data parallel 2) and TP=2 x EP=2 (experts over the tensor-parallel ranks;
-full recompute), plus the gathered export of a bf16 model at PP=2 (its fp32 mHC parameters cross stages as fp32).
+full recompute), plus the gathered export of a bf16 model at PP=2 (its fp32 mHC parameters cross
+stages as fp32).
 Four processes: TP=2 x PP=2 x EP=2, which also resumes a one-rank checkpoint (same logprobs, and
 the next step, which reads the restored Adam moments, moves the model as on one rank) and saves
 one that one rank loads (same weights, same logprobs): megatron-core reshards on load.
