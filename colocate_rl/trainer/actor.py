@@ -150,7 +150,7 @@ class Actor:
         pad = -t % self.cfg.actor.tp if self.cfg.actor.sequence_parallel else 0
         inputs = torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
         positions = torch.arange(t + pad, device=self.device).expand(b, t + pad)
-        output = model(inputs, positions, None)  # last stage: logits [b, t, V/tp]; else hidden states
+        output = model(inputs, positions, None)  # last stage: logits [b, t + pad, V/tp]; else hidden states
         if pad and self._ps.is_pipeline_last_stage():
             output = output[:, :t].contiguous()
         return output, partial(loss_fn, item, tokens)
