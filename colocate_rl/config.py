@@ -116,6 +116,10 @@ class ActorConfig:
     # device at a time (~2 x 3 x chunk_mb with fp32 moments); results do not depend on it.
     optimizer_chunk_mb: int = 256
     recompute: bool = False  # activation recomputation (full layers)
+    # Split the per-token work (norms, residual, MoE routing) over the tensor-parallel ranks by
+    # sequence (Megatron's sequence parallelism; needs actor.tp > 1). Megatron's MoE layer trains with
+    # tensor parallelism only under it, so DeepSeek-V4 at actor.tp > 1 requires it.
+    sequence_parallel: bool = False
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
     # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).
@@ -524,6 +528,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
     if cfg.rollout.num_engines < 0:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines} must be >= 0 (0: as many as fit)")
+    if cfg.actor.sequence_parallel and cfg.actor.tp == 1:
+        raise ConfigError("actor.sequence_parallel=true needs actor.tp > 1 (it splits the sequence over the "
+                          "tensor-parallel ranks)")
     if cfg.supervise.max_restarts < 0:
         raise ConfigError(f"supervise.max_restarts={cfg.supervise.max_restarts} must be >= 0")
     if cfg.algorithm.kl_coef < 0:

@@ -144,7 +144,7 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     size, problems = None, []
     if hf:
         try:
-            family_for(hf).check_parallel(hf, lay.tp, lay.pp, lay.ep)
+            family_for(hf).check_parallel(hf, lay.tp, lay.pp, lay.ep, sequence_parallel=cfg.actor.sequence_parallel)
         except ValueError as e:
             if strict:
                 raise ConfigError(str(e)) from None

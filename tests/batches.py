@@ -31,23 +31,32 @@ def synthetic_batch(lens: list[int], prompt_len: int = 3, vocab: int = 320, seed
     )
 
 
-def grpo_step_view(path: str, overrides: dict, lens: list[int]) -> dict:
-    """An fp32 actor at ``overrides`` (cfg.actor fields) on the model at ``path`` scores
-    synthetic_batch(lens, seed=1), exports, takes one GRPO step (lr 1e-3, micro-batches of 2) and
-    scores again. Collective when the layout spans ranks; returns this rank's view: logprobs
-    before / after, the step's loss and grad norm, the exported tensors."""
+def make_actor(path: str, overrides: dict, dtype: str = "float32"):
+    """An actor on the model at ``path``: lr 1e-3, micro-batches of 2, ``overrides`` on cfg.actor."""
     from colocate_rl.config import Config, ModelConfig
     from colocate_rl.trainer import Actor
 
-    cfg = Config(model=ModelConfig(path=path, dtype="float32"))
+    cfg = Config(model=ModelConfig(path=path, dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
     for k, v in overrides.items():
         setattr(cfg.actor, k, v)
-    actor = Actor(cfg)
+    return Actor(cfg)
+
+
+def step_view(actor, lens: list[int]) -> dict:
+    """``actor`` scores synthetic_batch(lens, seed=1), exports, takes one GRPO step and scores and
+    exports again. Collective when the layout spans ranks; returns this rank's view: logprobs
+    before / after, the step's loss and grad norm, the exported tensors before / after."""
     batch = synthetic_batch(lens, seed=1)
     before = actor.compute_logprobs(batch)
     exported = {n: t.clone() for n, t in actor.export_hf_weights()}
     batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)
     m = actor.train_step(batch, before)
     return {"before": before, "after": actor.compute_logprobs(batch), "loss": m["loss"],
-            "grad_norm": m["grad_norm"], "exported": exported}
+            "grad_norm": m["grad_norm"], "exported": exported,
+            "exported_after": {n: t.clone() for n, t in actor.export_hf_weights()}}
+
+
+def grpo_step_view(path: str, overrides: dict, lens: list[int]) -> dict:
+    """step_view of an fp32 actor at ``overrides`` (cfg.actor fields) on the model at ``path``."""
+    return step_view(make_actor(path, overrides), lens)

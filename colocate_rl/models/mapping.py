@@ -202,19 +202,23 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
     params = dict(model.named_parameters())
     where = placement(model)
     local = {where.to_canonical(n): p for n, p in params.items()}
-    any_param = next(iter(params.values()))
-    dev, pdtype = any_param.device, any_param.dtype
+    dev, pdtype = next(iter(params.values())).device, model.config.params_dtype
     pp_size = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
     ep_rank = ps.get_expert_model_parallel_rank()
-    # Which stage holds which global layer (stages may hold unequal counts).
-    layer_stage = {}
+    # Which stage holds which global layer (stages may hold unequal counts), and the parameters kept
+    # at another dtype than the model's (DeepSeek-V4's fp32 mHC and sinks in a bf16 model): a stage
+    # receiving one allocates it at the owner's dtype.
+    layer_stage, dtypes = {}, {}
     if pp_size > 1:
         mine = sorted({int(m.group(1)) for n in local if (m := _LAYER.match(n))})
+        odd = {n: p.dtype for n, p in local.items() if p.dtype != pdtype}
         gathered: list = [None] * pp_size
-        dist.all_gather_object(gathered, mine, group=ps.get_pipeline_model_parallel_group())
-        layer_stage = {layer: stage for stage, layers in enumerate(gathered) for layer in layers}
+        dist.all_gather_object(gathered, (mine, odd), group=ps.get_pipeline_model_parallel_group())
+        layer_stage = {layer: stage for stage, (layers, _) in enumerate(gathered) for layer in layers}
+        for _, stage_odd in gathered:
+            dtypes.update(stage_odd)
     num_experts = getattr(model.config, "num_moe_experts", None) or 0
     per_ep = num_experts // ep_size if num_experts else 0
 
@@ -246,7 +250,8 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
         if pp_size > 1:
             size = tp_size if spec.tp_dim is not None else 1
             if shards is None:
-                shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=pdtype) for _ in range(size)]
+                owner_dtype = dtypes.get(spec.name, pdtype)
+                shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=owner_dtype) for _ in range(size)]
             for s in shards:
                 dist.broadcast(s, group_src=stage, group=ps.get_pipeline_model_parallel_group())
         for name, t in unshard(spec, shards):

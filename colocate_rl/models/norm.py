@@ -20,6 +20,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        # Under sequence parallelism a rank normalises only its own tokens: Megatron's
+        # finalize_model_grads sums the gradients of parameters flagged so over the tensor-parallel group.
+        self.weight.sequence_parallel = config.sequence_parallel
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

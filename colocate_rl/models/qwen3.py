@@ -39,7 +39,7 @@ def _head_dim(hf: dict) -> int:
     return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
 
 
-def check_parallel(hf: dict, tp: int, pp: int, ep: int) -> None:
+def check_parallel(hf: dict, tp: int, pp: int, ep: int, sequence_parallel: bool = False) -> None:
     heads, groups = hf["num_attention_heads"], hf["num_key_value_heads"]
     if heads % tp:
         raise ValueError(f"actor.tp={tp} does not divide the model's num_attention_heads={heads}")

@@ -44,8 +44,9 @@ class Family:
     model_kwargs: Callable[[dict], dict]
     # hf_config -> every Megatron parameter of the full model and its HF counterpart(s), in export order
     params: Callable[[dict], "list[ParamSpec]"]
-    # (hf_config, tp, pp, ep) -> raises ValueError naming the field when the layout cannot work
-    check_parallel: Callable[[dict, int, int, int], None]
+    # (hf_config, tp, pp, ep, sequence_parallel=False) -> raises ValueError naming the field when
+    # the layout cannot work
+    check_parallel: Callable[..., None]
     # (hf_config, TransformerConfig, pre_process, post_process) -> the model, for families whose
     # blocks do not fit GPTModel's TransformerBlock (DeepSeek-V4's hc_mult residual streams);
     # None builds a GPTModel from layer_spec and model_kwargs.

@@ -83,7 +83,7 @@ class Actor:
         self.model_config = self.family.transformer_config(
             self.hf_config, self.dtype,
             tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
-            expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1, sequence_parallel=False,
+            expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1, sequence_parallel=a.sequence_parallel,
             use_cpu_initialization=not platform.has_gpu(),
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
@@ -167,8 +167,15 @@ class Actor:
         item = next(data_iterator)
         tokens = item[0].tokens
         b, t = tokens.shape
-        positions = torch.arange(t, device=self.device).expand(b, t)
-        output = model(tokens, positions, None)  # last stage: logits [b, t, V/tp]; else hidden states
+        # Sequence parallelism splits the sequence evenly over the tensor-parallel ranks: pad it to a
+        # multiple of tp on the right (causal attention leaves the real positions as they are) and
+        # drop the padded positions' logits. Every stage gets the tokens (DeepSeek-V4's hash routing).
+        pad = -t % self.cfg.actor.tp if self.cfg.actor.sequence_parallel else 0
+        inputs = torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
+        positions = torch.arange(t + pad, device=self.device).expand(b, t + pad)
+        output = model(inputs, positions, None)  # last stage: logits [b, t + pad, V/tp]; else hidden states
+        if pad and self._ps.is_pipeline_last_stage():
+            output = output[:, :t].contiguous()
         return output, partial(loss_fn, item, tokens)
 
     def _run(self, items: list, loss_fn: Callable, forward_only: bool, model=None) -> list:

@@ -265,6 +265,8 @@ def test_tp_not_dividing_heads_and_ep_not_dividing_experts(tiny_model):
         plan("qwen3-tiny", "actor.tp=2")
     with pytest.raises(ConfigError, match="actor.ep=3 does not divide the model's num_experts=4"):
         plan("qwen3-moe-tiny", "actor.ep=3", "actor.dp=3")
+    with pytest.raises(ConfigError, match="actor.sequence_parallel=true needs actor.tp > 1"):
+        plan("qwen3-tiny", "actor.sequence_parallel=true")
 
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):

@@ -1,6 +1,7 @@
 """The actor across two gloo processes gives what one process gives: TP=2 (distributed optimizer),
-EP=2 (experts split, data parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs
-before and after one GRPO step, the step's loss and grad norm, and the gathered HF export."""
+TP=2 with sequence parallelism (odd-length micro-batches padded), EP=2 (experts split, data
+parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs before and after one
+GRPO step, the step's loss and grad norm, and the gathered HF export."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from batches import grpo_step_view
 # (name, model shape, actor overrides); world size 2 for each.
 LAYOUTS = [
     ("tp2", "qwen3-small", dict(tp=2, distributed_optimizer=True)),
+    ("tp2sp", "qwen3-small", dict(tp=2, sequence_parallel=True)),
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
     ("pp2", "qwen3-tiny-tied", dict(pp=2)),
 ]
@@ -29,7 +31,7 @@ def all_layouts(jobs: list[tuple[str, str, dict]]) -> dict:
 
 
 # Slow: one spawn of two fresh processes, each importing torch + megatron-core (~15-25 s on 2 cores)
-# and building three actors.
+# and building four actors.
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tiny_model):
     from colocate_rl.trainer import run_on_ranks

@@ -24,8 +24,8 @@ def recipe():
 
 
 def test_published_preset_stops_in_one_line_naming_what_is_missing():
-    """Exactly the capabilities whose config field does not exist (yet) are named; the deepseek_v4
-    family's own limits (no pipeline or tensor parallelism) always are."""
+    """Exactly the capabilities whose config field does not exist (yet) are named; tensor (with
+    sequence) and pipeline parallelism for deepseek_v4 exist and are not."""
     mod = recipe()
     r = subprocess.run([sys.executable, str(RECIPE), "preset=amd-3node"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
@@ -33,8 +33,9 @@ def test_published_preset_stops_in_one_line_naming_what_is_missing():
     assert len(lines) == 1 and r.stdout == "", r.stderr
     for what, field, _ in mod.NEEDS["amd-3node"]:
         assert (what in lines[0]) == (not mod._has_field(field)), (what, lines[0])
-    for what in ("pipeline parallelism for deepseek_v4", "tensor parallelism for deepseek_v4"):
-        assert what in lines[0]
+    assert "FP8 sync in DeepSeek-V4's released layout" in lines[0]
+    for what in ("pipeline parallelism", "tensor parallelism", "sequence parallelism"):
+        assert what not in lines[0], what
 
 
 def test_presets_hold_the_published_values():

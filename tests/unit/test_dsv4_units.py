@@ -188,18 +188,36 @@ def test_official_names_cover_transformers_state_dict():
     assert transformers_name("layers.0.ffn.gate.bias") == "model.layers.0.mlp.gate.e_score_correction_bias"
 
 
-@pytest.mark.parametrize("tp,pp,ep,match", [
-    (1, 2, 1, "actor.pp=2: deepseek_v4 runs without pipeline parallelism"),
-    (2, 1, 1, "actor.tp=2: deepseek_v4 trains here at actor.tp=1"),
-    (1, 1, 3, "actor.ep=3 does not divide the model's n_routed_experts=4"),
+@pytest.mark.parametrize("tp,pp,ep,sp,match", [
+    (2, 1, 1, False, "actor.sequence_parallel=false: deepseek_v4 at actor.tp=2 needs actor.sequence_parallel=true"),
+    (8, 1, 1, True, "actor.tp=8 does not divide the model's num_attention_heads=4"),
+    (1, 5, 1, False, "actor.pp=5 cannot split the model's num_hidden_layers=4"),
+    (1, 1, 3, False, "actor.ep=3 does not divide the model's n_routed_experts=4"),
 ])
-def test_bad_parallel_layouts_are_named(tp, pp, ep, match):
+def test_bad_parallel_layouts_are_named(tp, pp, ep, sp, match):
     from colocate_rl.models.registry import family_for
 
     hf = synth.official_config()
     with pytest.raises(ValueError, match=match):
-        family_for(hf).check_parallel(hf, tp, pp, ep)
-    family_for(hf).check_parallel(hf, 1, 1, 2)
+        family_for(hf).check_parallel(hf, tp, pp, ep, sequence_parallel=sp)
+    for tp, pp, ep in ((2, 2, 2), (2, 4, 4), (1, 3, 1)):
+        family_for(hf).check_parallel(hf, tp, pp, ep, sequence_parallel=tp > 1)
+
+
+@pytest.mark.parametrize("layers,pp,want", [(43, 4, [10, 11, 11, 11]), (4, 3, [2, 1, 1]), (3, 2, [1, 2]),
+                                            (4, 2, [2, 2])])
+def test_pipeline_stages_split_the_layers(layers, pp, want):
+    """A pipeline size that does not divide the layers gives the first stage (which holds the
+    embedding too) the remainder, through Megatron's num_layers_in_first_pipeline_stage."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from colocate_rl.models.deepseek_v4 import transformer_config
+
+    hf = synth.official_config(num_hidden_layers=layers, compress_ratios=[0] * layers)
+    cfg = transformer_config(hf, torch.float32, pipeline_model_parallel_size=pp, use_cpu_initialization=True)
+    assert [get_num_layers_to_build(cfg, pp_rank=r) for r in range(pp)] == want
+    assert [get_transformer_layer_offset(cfg, pp_rank=r) for r in range(pp)] == [sum(want[:r]) for r in range(pp)]
 
 
 def test_checkpoint_reads_quantized_weights_dequantized_and_sliced(tmp_path):

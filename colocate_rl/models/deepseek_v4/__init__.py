@@ -5,6 +5,7 @@ blocks, weights.py for the names, config.py for the hyper-parameters."""
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,19 +15,33 @@ from colocate_rl.models.deepseek_v4.weights import params
 from colocate_rl.models.registry import Family, common_config_fields, register
 
 
-def check_parallel(hf: dict, tp: int, pp: int, ep: int) -> None:
+def first_stage_layers(num_layers: int, pp: int) -> Optional[int]:
+    """Decoder layers on the first pipeline stage when ``pp`` does not divide ``num_layers`` (the
+    rest split evenly over the other stages, Megatron's num_layers_in_first_pipeline_stage); None
+    for an even split. The first stage, which also holds the embedding, gets the fewer: 43 layers
+    over 4 stages are 10 + 11 + 11 + 11. Raises when no such split exists."""
+    if pp == 1 or num_layers % pp == 0:
+        return None
+    for per_stage in (-(-num_layers // pp), num_layers // pp):  # ceil, then floor
+        first = num_layers - (pp - 1) * per_stage
+        if first >= 1 and per_stage >= 1:
+            return first
+    raise ValueError(f"actor.pp={pp} cannot split the model's num_hidden_layers={num_layers} into stages of "
+                     "at least one layer")
+
+
+def check_parallel(hf: dict, tp: int, pp: int, ep: int, sequence_parallel: bool = False) -> None:
     h = Hparams.from_official(hf)
-    if pp != 1:
-        raise ValueError(f"actor.pp={pp}: deepseek_v4 runs without pipeline parallelism here (its hc_mult residual "
-                         "streams do not fit Megatron's pipeline send/receive shapes); use actor.pp=1")
-    if tp != 1:
-        raise ValueError(f"actor.tp={tp}: deepseek_v4 trains here at actor.tp=1 (Megatron's MoE layer trains with "
-                         "tensor parallelism only under sequence parallelism, which the actor does not enable yet); "
-                         "spread the experts with actor.ep instead")
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(f"actor.sequence_parallel=false: deepseek_v4 at actor.tp={tp} needs "
+                         "actor.sequence_parallel=true (Megatron's MoE layer trains with tensor parallelism only "
+                         "under sequence parallelism)")
+    shared = h.moe_intermediate_size * h.num_shared_experts
     for field, value in (("num_attention_heads", h.num_heads), ("o_groups", h.o_groups), ("vocab_size", h.vocab_size),
-                         ("moe_intermediate_size", h.moe_intermediate_size)):
+                         ("moe_intermediate_size x n_shared_experts (the shared expert)", shared)):
         if value % tp:
             raise ValueError(f"actor.tp={tp} does not divide the model's {field}={value}")
+    first_stage_layers(h.num_layers, pp)
     if h.num_experts % ep:
         raise ValueError(f"actor.ep={ep} does not divide the model's n_routed_experts={h.num_experts}")
 
@@ -37,6 +52,9 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     h = Hparams.from_official(hf)
+    first = first_stage_layers(h.num_layers, runtime.get("pipeline_model_parallel_size", 1))
+    if first is not None:
+        runtime.setdefault("num_layers_in_first_pipeline_stage", first)
     if runtime.pop("fp32_residual_connection", False):
         raise ValueError("actor.fp32_residual is not supported for deepseek_v4 (its residual is the mHC streams)")
     if h.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):

@@ -1,10 +1,12 @@
 """DeepSeek-V4 as megatron-core modules (megatron-core 0.19.2 has none of its blocks).
 
-Shapes: b batch, s sequence, hc = hc_mult residual streams, D hidden, H heads (H/tp on a rank),
-d head_dim, r rope_dim, n compressed entries. The decoder keeps the residual as hc streams
-[b, s, hc, D] (mHC), so it cannot be GPTModel's TransformerBlock; the routed MoE is Megatron's
+Shapes: b batch, s sequence, s' this rank's tokens (s/tp under sequence parallelism, else s),
+hc = hc_mult residual streams, D hidden, H heads (H/tp on a rank), d head_dim, r rope_dim, n
+compressed entries. The decoder keeps the residual as hc streams [s', b, hc, D] (mHC; Megatron's
+sequence-first layout), so it cannot be GPTModel's TransformerBlock; the routed MoE is Megatron's
 MoELayer (token dispatcher, SequentialMLP experts, shared expert) with a router that adds hash
-routing; projections that split over tensor parallelism are Megatron's Column/RowParallelLinear.
+routing; projections that split over tensor parallelism are Megatron's Row/ColumnParallelLinear
+(o up-projection, head) or HeadSplitLinear (q up-projection: its input is already whole).
 
 What each block computes (numerically the same order as transformers' deepseek_v4, the reference):
   mHC       pre/post/comb weights from the flattened streams (unweighted RMSNorm, one linear),
@@ -18,7 +20,20 @@ What each block computes (numerically the same order as transformers' deepseek_v
   MoE       sqrtsoftplus scores, noaux_tc (a frozen bias picks the top-k, unbiased scores weight
             them), routed_scaling_factor, SwiGLU clamped at swiglu_limit, one shared expert; the
             first num_hash_layers pick experts by a frozen token-id → expert table.
-Pipeline parallelism is not supported (the streams would have to cross stages as hc·D).
+Parallelism:
+  tensor    heads (q up-projection rows, sinks, o-groups of the grouped o-projection, the row-parallel
+            o up-projection), vocabulary (embedding, head) and the shared expert split; the shared
+            K=V head, q down-projection, compressor and indexer are small and replicated.
+  sequence  required with tensor parallelism (Megatron's MoE trains with TP only under it): the mHC
+            mixing, the norms, the router and the routed experts work on this rank's s/tp tokens;
+            attention gathers the whole sequence at its entry (every head reads every position) and
+            its o up-projection reduce-scatters back. Parameters of the per-token parts get partial
+            gradients, summed over the tensor-parallel group by Megatron's finalize_model_grads.
+  pipeline  a stage holds a run of decoder layers; the tensor between stages is the streams,
+            [s', b, hc·D] (Megatron's p2p carries 3-D tensors); token ids reach every stage (hash
+            routing), the embedding is on the first, hc_head/norm/head on the last.
+  expert    routed experts split over expert-parallel ranks (Megatron's all-to-all dispatcher),
+            whole per rank (expert tensor parallelism 1).
 """
 
 from __future__ import annotations
@@ -47,6 +62,42 @@ def _device(config):
 
 def _param(config, *shape, dtype=None) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype or config.params_dtype, device=_device(config)))
+
+
+def _split_param(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Marks ``p`` as split by rows (dim 0) over tensor parallelism (grad-norm, optimizer, checkpoint)."""
+    tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+    return p
+
+
+def _per_token(config, *modules) -> None:
+    """Parameters of per-token parts (mHC, norms): under sequence parallelism each rank sees only its
+    own tokens, so their gradients are partial; Megatron's finalize_model_grads sums the gradients of
+    parameters flagged ``sequence_parallel`` over the tensor-parallel group."""
+    for m in modules:
+        for p in m.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def _split_params_sharded_state(module, sd: dict, prefix: str, sharded_offsets) -> dict:
+    """MegatronModule's default sharded state treats a module's own parameters as replicated; declare
+    those split over tensor parallelism (``_split_param``) as sharded along their partition dim, so
+    checkpoints reshard across tensor-parallel sizes."""
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    for name, p in module.named_parameters(recurse=False):
+        if getattr(p, "tensor_model_parallel", False):
+            sd[prefix + name] = make_tp_sharded_tensor_for_checkpoint(p, prefix + name, p.partition_dim,
+                                                                      prepend_offsets=sharded_offsets)
+    return sd
+
+
+def _local_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [s, ...] → this rank's [s/tp, ...] under sequence parallelism (Megatron's contiguous split)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    n = t.shape[0] // tp
+    r = ps.get_tensor_model_parallel_rank()
+    return t[r * n:(r + 1) * n]
 
 
 # ---------------------------------------------------------------- small pieces
@@ -79,11 +130,30 @@ class ReplicatedLinear(torch.nn.Module):
         return F.linear(x, self.weight)
 
 
+class HeadSplitLinear(MegatronModule):
+    """y [..., out/tp] = x Wᵀ with W [out, in] split by rows (this rank's heads) and x whole on every
+    rank; x's gradient is summed over the ranks' heads (identity forward, all-reduce backward).
+    Megatron's ColumnParallelLinear would all-gather a sequence-parallel input here; the attention
+    has gathered the sequence once already."""
+
+    def __init__(self, config, n_in: int, n_out: int):
+        super().__init__(config=config)
+        self.weight = _split_param(_param(config, n_out // ps.get_tensor_model_parallel_world_size(), n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(tensor_parallel.copy_to_tensor_model_parallel_region(x), self.weight)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return _split_params_sharded_state(self, sd, prefix, sharded_offsets)
+
+
 # ---------------------------------------------------------------- mHC
 
 
 class HyperConnection(MegatronModule):
-    """mHC around one block: streams [b, s, hc, D] → (post, comb, block input [b, s, D])."""
+    """mHC around one block: streams [s', b, hc, D] → (post, comb, block input [s', b, D]); per token,
+    so the (s', b) order of the leading dims does not matter."""
 
     def __init__(self, config, h: Hparams):
         super().__init__(config=config)
@@ -102,7 +172,7 @@ class HyperConnection(MegatronModule):
 
 
 class HyperHead(MegatronModule):
-    """Final merge of the hc streams [b, s, hc, D] → [b, s, D] (sigmoid weights, no Sinkhorn)."""
+    """Final merge of the hc streams [s', b, hc, D] → [s', b, D] (sigmoid weights, no Sinkhorn)."""
 
     def __init__(self, config, h: Hparams):
         super().__init__(config=config)
@@ -206,20 +276,18 @@ class Attention(MegatronModule):
         init = config.init_method
         self.linear_q_down = ReplicatedLinear(config, h.hidden_size, h.q_lora_rank)
         self.q_layernorm = RMSNorm(config, h.q_lora_rank, h.rms_norm_eps)
-        self.linear_q_up = tensor_parallel.ColumnParallelLinear(
-            h.q_lora_rank, h.num_heads * h.head_dim, config=config, init_method=init, bias=False,
-            gather_output=False, skip_bias_add=True)
+        self.linear_q_up = HeadSplitLinear(config, h.q_lora_rank, h.num_heads * h.head_dim)
         self.linear_kv = ReplicatedLinear(config, h.hidden_size, h.head_dim)
         self.kv_layernorm = RMSNorm(config, h.head_dim, h.rms_norm_eps)
         # Grouped output projection: group g maps its heads' H·d/G channels to o_lora_rank; the
         # groups (whole heads) split over tensor parallelism, then a row-parallel mix to D.
-        self.linear_o_down = _param(config, self.groups * h.o_lora_rank, h.num_heads * h.head_dim // h.o_groups)
-        tensor_parallel.set_tensor_model_parallel_attributes(self.linear_o_down, True, 0, 1)
+        self.linear_o_down = _split_param(
+            _param(config, self.groups * h.o_lora_rank, h.num_heads * h.head_dim // h.o_groups))
+        # Under sequence parallelism its output is reduce-scattered to this rank's tokens.
         self.linear_proj = tensor_parallel.RowParallelLinear(
             h.o_groups * h.o_lora_rank, h.hidden_size, config=config, init_method=init, bias=False,
             input_is_parallel=True, skip_bias_add=True)
-        self.sinks = _param(config, self.heads, dtype=torch.float32)
-        tensor_parallel.set_tensor_model_parallel_attributes(self.sinks, True, 0, 1)
+        self.sinks = _split_param(_param(config, self.heads, dtype=torch.float32))
         self.register_buffer("inv_freq", rope_inv_freq(h, compress=self.ratio > 0), persistent=False)
         self.register_buffer("compress_inv_freq", rope_inv_freq(h, compress=True), persistent=False)
         self.compressor = Compressor(config, h, self.ratio, h.head_dim, overlap=self.ratio == 4) if self.ratio else None
@@ -245,12 +313,23 @@ class Attention(MegatronModule):
         block = torch.full((b, s, n + 1), float("-inf"), dtype=x.dtype, device=x.device)
         return entries, block.scatter(-1, safe, 0.0)[..., :n]
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return _split_params_sharded_state(self, sd, prefix, sharded_offsets)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [s', b, D], positions [b, s] (whole sequence) → [s', b, D]."""
         h = self.h
+        if self.config.sequence_parallel:
+            # Every head reads every position: gather the sequence. Below, every path from x into
+            # this rank's heads all-reduces its gradient (linear_q_up, the K=V head and the entries),
+            # so x's gradient is whole and equal on all ranks: the backward keeps this rank's part.
+            x = tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        x = x.transpose(0, 1)  # [b, s, D]
         b, s, _ = x.shape
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         q_residual = self.q_layernorm(self.linear_q_down(x))
-        q, _ = self.linear_q_up(q_residual)
+        q = self.linear_q_up(q_residual)
         q = unweighted_rms_norm(q.view(b, s, self.heads, h.head_dim), h.rms_norm_eps)
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [b, H/tp, s, d]
         kv = apply_rope(self.kv_layernorm(self.linear_kv(x)).view(b, s, 1, h.head_dim), cos, sin).squeeze(2)
@@ -289,7 +368,7 @@ class Attention(MegatronModule):
         grouped = out.reshape(b, s, self.groups, -1)
         w = self.linear_o_down.view(self.groups, h.o_lora_rank, -1)
         grouped = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
-        y, _ = self.linear_proj(grouped)
+        y, _ = self.linear_proj(grouped.transpose(0, 1))  # [s', b, D]
         return y
 
 
@@ -339,14 +418,22 @@ def moe_layer(config, h: Hparams, layer: int):
     router = functools.partial(_router_class(), hash_vocab=h.vocab_size if h.is_hash(layer) else 0)
     sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
                         router=router)
-    return MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+    moe = MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+    # Routed experts get an optimizer of their own at every layout. Megatron gives them one (its
+    # expert-parallel parameters, allreduce=False) whenever EP > 1 or expert TP != TP, so for this
+    # model at every layout but TP=1 x EP=1; the optimizer's checkpoint is structured by that
+    # split, and with one structure everywhere a checkpoint reshards between any two layouts. At
+    # TP=1 x EP=1 the expert data-parallel group is the data-parallel group: the same reductions.
+    for p in moe.experts.parameters():
+        p.allreduce = False
+    return moe
 
 
 # ---------------------------------------------------------------- decoder
 
 
 class DecoderLayer(MegatronModule):
-    """streams [b, s, hc, D] → streams: mHC(attention), then mHC(MoE)."""
+    """streams [s', b, hc, D] → streams: mHC(attention), then mHC(MoE). ``layer`` is the global index."""
 
     def __init__(self, config, h: Hparams, layer: int):
         super().__init__(config=config)
@@ -357,71 +444,136 @@ class DecoderLayer(MegatronModule):
         self.mlp_hc = HyperConnection(config, h)
         self.pre_mlp_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
         self.mlp = moe_layer(config, h, layer)
+        _per_token(config, self.attn_hc, self.input_layernorm, self.mlp_hc, self.pre_mlp_layernorm)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """token_ids [s', b] (this rank's tokens: the hash router's input), positions [b, s]."""
         post, comb, x = self.attn_hc(streams)
         streams = hc_merge(streams, self.self_attention(self.input_layernorm(x), positions), post, comb)
         post, comb, x = self.mlp_hc(streams)
-        self.mlp.router.token_ids = input_ids.t()
-        y, _ = self.mlp(self.pre_mlp_layernorm(x).transpose(0, 1).contiguous())  # Megatron MoE takes [s, b, D]
-        return hc_merge(streams, y.transpose(0, 1), post, comb)
+        self.mlp.router.token_ids = token_ids
+        y, _ = self.mlp(self.pre_mlp_layernorm(x))
+        return hc_merge(streams, y, post, comb)
 
 
 class Decoder(MegatronModule):
-    def __init__(self, config, h: Hparams):
+    """This pipeline stage's decoder layers (global numbering: Megatron's even or uneven split), and
+    the final stream merge and norm on the last stage."""
+
+    def __init__(self, config, h: Hparams, post_process: bool = True):
         super().__init__(config=config)
-        self.layers = torch.nn.ModuleList([DecoderLayer(config, h, i) for i in range(h.num_layers)])
-        self.hc_head = HyperHead(config, h)
-        self.final_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        first = get_transformer_layer_offset(config)
+        self.layers = torch.nn.ModuleList(
+            [DecoderLayer(config, h, first + i) for i in range(get_num_layers_to_build(config))])
+        if post_process:
+            self.hc_head = HyperHead(config, h)
+            self.final_layernorm = RMSNorm(config, h.hidden_size, h.rms_norm_eps)
+            _per_token(config, self.hc_head, self.final_layernorm)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint keys name layers by their global index (layers differ in kind: window / C4 /
+        C128, hash or learned routing), so a checkpoint reshards across pipeline layouts."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        sd = {}
+        for i, layer in enumerate(self.layers):
+            local, glob = f"{prefix}layers.{i}.", f"{prefix}layers.{layer.layer_number - 1}."
+            part = layer.sharded_state_dict(local, (), metadata)
+            replace_prefix_for_sharding(part, local, glob)
+            sd.update(part)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                # The group must be named: without it a replicated tensor's replica id says TP rank 0 on
+                # every rank, and loading finds several main replicas.
+                sd.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                     tp_group=ps.get_tensor_model_parallel_group()))
+        return sd
 
 
 class Embedding(MegatronModule):
     def __init__(self, config, h: Hparams):
         super().__init__(config=config)
+        # Under sequence parallelism the lookup's vocabulary-parallel sum is a reduce-scatter to
+        # this rank's tokens ([b, s] ids → [s/tp, b, D]).
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            h.vocab_size, h.hidden_size, init_method=config.init_method, config=config)
+            h.vocab_size, h.hidden_size, init_method=config.init_method, config=config,
+            reduce_scatter_embeddings=config.sequence_parallel)
 
 
 class DeepseekV4Model(MegatronModule):
     """tokens [b, s], positions [b, s] → logits [b, s, V/tp] (this rank's vocabulary slice), the
-    contract of GPTModel's forward without labels."""
+    contract of GPTModel's forward without labels; on a stage before the last, the streams
+    [s', b, hc·D] for the next stage. Every stage takes the tokens (hash routing)."""
 
     def __init__(self, config, h: Hparams, pre_process: bool = True, post_process: bool = True):
         super().__init__(config=config)
-        if not (pre_process and post_process):
-            raise ValueError("deepseek_v4 does not support pipeline parallelism (actor.pp must be 1)")
         from megatron.core.enums import ModelType
 
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
-        self.h = h
-        self.embedding = Embedding(config, h)
-        self.decoder = Decoder(config, h)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
-            h.hidden_size, h.vocab_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False, skip_bias_add=True)
+        # Read by finalize_model_grads under pipeline parallelism: the head is its own weight, so no
+        # embedding gradient crosses stages.
+        self.share_embeddings_and_output_weights = False
+        self.h, self.pre_process, self.post_process = h, pre_process, post_process
+        self.input_tensor: Optional[torch.Tensor] = None
+        if pre_process:
+            self.embedding = Embedding(config, h)
+        self.decoder = Decoder(config, h, post_process)
+        if post_process:
+            # Under sequence parallelism it all-gathers the tokens first (and reduce-scatters back).
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                h.hidden_size, h.vocab_size, config=config, init_method=config.init_method, bias=False,
+                gather_output=False, skip_bias_add=True)
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Megatron's schedules call this on every model; one stage means nothing comes in."""
+        """Megatron's schedules hand a stage after the first the previous stage's output here
+        ([s', b, hc·D], or a one-element list of it) before each forward."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"deepseek_v4 takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
 
-    def hidden_streams(self, input_ids: torch.Tensor, positions: torch.Tensor, upto: Optional[int] = None):
-        """Streams [b, s, hc, D] after ``upto`` decoder layers (all by default)."""
-        x = self.embedding.word_embeddings(input_ids)
-        streams = x.unsqueeze(2).expand(-1, -1, self.h.hc_mult, -1).contiguous()
+    def decoder_streams(self, input_ids: torch.Tensor, positions: torch.Tensor, upto: Optional[int] = None):
+        """Streams [s', b, hc, D] after this stage's first ``upto`` decoder layers (all by default)."""
+        h = self.h
+        if self.pre_process:
+            x = self.embedding.word_embeddings(input_ids)  # [s', b, D] under sequence parallelism, else [b, s, D]
+            if not self.config.sequence_parallel:
+                x = x.transpose(0, 1)
+            streams = x.unsqueeze(2).expand(-1, -1, h.hc_mult, -1).contiguous()
+        else:
+            if self.input_tensor is None:
+                raise ValueError("deepseek_v4 stage without embedding called before set_input_tensor")
+            streams = self.input_tensor.view(*self.input_tensor.shape[:2], h.hc_mult, h.hidden_size)
+        token_ids = input_ids.t()
+        if self.config.sequence_parallel:
+            token_ids = _local_rows(token_ids)
         full = self.config.recompute_granularity == "full" and self.training
         for layer in self.decoder.layers[:upto]:
             if full:
-                streams = tensor_parallel.checkpoint(layer, False, streams, input_ids, positions)
+                streams = tensor_parallel.checkpoint(layer, False, streams, token_ids, positions)
             else:
-                streams = layer(streams, input_ids, positions)
+                streams = layer(streams, token_ids, positions)
         return streams
+
+    def hidden_streams(self, input_ids: torch.Tensor, positions: torch.Tensor, upto: Optional[int] = None):
+        """Streams [b, s, hc, D] after ``upto`` decoder layers (a whole model on one rank: tests)."""
+        return self.decoder_streams(input_ids, positions, upto).transpose(0, 1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None,
                 **kwargs) -> torch.Tensor:
-        """attention_mask must be None: rows are right-padded and attention is causal."""
+        """attention_mask must be None: rows are right-padded and attention is causal. Under sequence
+        parallelism s must divide by the tensor-parallel size (the actor pads)."""
         if attention_mask is not None:
             raise ValueError("DeepseekV4Model takes no attention_mask (right-padded rows, causal attention)")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        streams = self.hidden_streams(input_ids, position_ids)
+        streams = self.decoder_streams(input_ids, position_ids)
+        if not self.post_process:
+            return streams.flatten(2)
         logits, _ = self.output_layer(self.decoder.final_layernorm(self.decoder.hc_head(streams)))
-        return logits
+        return logits.transpose(0, 1).contiguous()
