@@ -87,7 +87,7 @@ def ours_job(spec: dict, out_path: str) -> None:
 
     from colocate_rl.cli import preset_config
     from colocate_rl.config import load
-    from colocate_rl.loop import colocated_step, warm_start
+    from colocate_rl.loop import evaluate, step, warm_start
     from colocate_rl.session import start_session
 
     torch.set_num_threads(spec["threads"])
@@ -99,24 +99,24 @@ def ours_job(spec: dict, out_path: str) -> None:
             t = time.perf_counter()
             warm_start(s)
             out["sft_s"] = time.perf_counter() - t
-            out["eval"] = s.evaluate()
-            s.actor.onload(("params",))
-            save_hf_folder(s.actor.export_hf_weights(), Path(cfg.model.path), Path(spec["save_to"]))
+            out["eval"] = evaluate(s)
+            with s.handoff.actor_owned(changes_weights=False):
+                save_hf_folder(s.actor.export_hf_weights(), Path(cfg.model.path), Path(spec["save_to"]))
             out["train_ids"] = [list(x.prompt_ids) for x in s.train_samples[:8]]
         else:
-            out.update(timed_grpo(s, cfg, spec, colocated_step))
+            out.update(timed_grpo(s, cfg, spec, step))
     finally:
         s.close()
     Path(out_path).write_text(json.dumps(out))
 
 
-def timed_grpo(s, cfg, spec: dict, colocated_step) -> dict:
+def timed_grpo(s, cfg, spec: dict, step) -> dict:
     budget, every = spec["budget_s"], spec["eval_every_s"]
     steps, evals, train_s, next_mark = [], [], 0.0, every or float("inf")
 
     def evaluate(step: int) -> None:
         t = time.perf_counter()
-        m = s.evaluate()
+        m = evaluate(s)
         evals.append({"step": step, "train_s": train_s, "accuracy": m["eval/accuracy"],
                       "eval_s": time.perf_counter() - t})
 
@@ -124,7 +124,7 @@ def timed_grpo(s, cfg, spec: dict, colocated_step) -> dict:
         evaluate(0)
     for i in range(spec["max_steps"]):
         t = time.perf_counter()
-        m = colocated_step(s, cfg)
+        m = step(s)
         wall = time.perf_counter() - t
         s.step, train_s = i + 1, train_s + wall
         steps.append({"wall": wall, "reward": m["reward/mean"], "response_len": m["rollout/response_len"],
@@ -366,7 +366,7 @@ def main() -> None:
             "ours": "recipes/qwen3_grpo.yaml preset tiny: Megatron actor + in-process vLLM, local launcher",
             "threads_per_side": args.threads,
             "budget_s": args.budget_s,
-            "timing": "per step: wall time of one loop iteration (ours: colocated_step; TRL: on_step_end to "
+            "timing": "per step: wall time of one loop iteration (ours: loop.step; TRL: on_step_end to "
                       "on_step_end); medians over the steps after the first",
         },
         "warm_start_result": {"eval_accuracy": w["eval"].get("eval/accuracy"), "sft_s": w["sft_s"]},

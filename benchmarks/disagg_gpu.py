@@ -52,12 +52,10 @@ def run_steps(s, cfg, steps: int, off_policy: bool) -> list[dict]:
     from colocate_rl import loop
 
     cfg.rollout.off_policy = off_policy
-    w = s.workers
-    w.buffer.request(s.sampler.next_batch(), w.version)
     rows = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        m = loop.disaggregated_step(s, cfg, last=i == steps)
+        m = loop.step(s, last=i == steps)
         m["wall_s"] = time.perf_counter() - t0
         s.step += 1
         phases = " ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time/"))
@@ -95,7 +93,7 @@ def main() -> None:
             "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
             f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={2 * args.steps + 10}",
             f"rollout.gpu_memory_utilization={args.gpu_mem}", f"rollout.sync_bucket_mb={args.bucket_mb}",
-            "actor.lr=1e-6", "actor.micro_batch_size=8", "actor.offload=false",
+            "actor.lr=1e-6", "actor.micro_batch_size=8", "actor.offload=none",
             "placement.mode=disaggregated", "placement.gpus_per_node=2", "placement.actor_gpus=1",
             "rollout.num_engines=1", "rollout.verify_sync_every=0", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=disagg"]

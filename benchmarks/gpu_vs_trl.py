@@ -49,7 +49,7 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
     try:
         for _ in range(args.steps + 1):
             t = time.perf_counter()
-            m = loop.colocated_step(s, cfg)
+            m = loop.step(s)
             steps.append({"wall": time.perf_counter() - t, "lp_diff": m["train_rollout_logprob_abs_diff"],
                           "response_len": m["rollout/response_len"],
                           **{k[5:]: v for k, v in m.items() if k.startswith("time/")}})

@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
     ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
+    ap.add_argument("--offload", default="auto", help="actor.offload: auto (what the memory plan says) | all | none")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="",
                     help="write cProfiles of one extra, untimed step and of both rollouts here")
@@ -74,8 +75,8 @@ def main() -> None:
 
     from colocate_rl import loop
     from colocate_rl.config import Config, ModelConfig, load
-    from colocate_rl.memory import Handoff
     from colocate_rl.models.tiny import ensure_model
+    from colocate_rl.rollout.base import sampling_seed
     from colocate_rl.session import start_session
 
     limits = copy_limits()
@@ -84,15 +85,15 @@ def main() -> None:
     path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
     over = [*loop_overrides(path, root, "handoff", prompts=args.prompts, n=args.n, tokens=args.tokens,
                             micro=args.micro, fp32_residual=args.fp32_residual),
-            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "rollout.verify_sync_every=1"]
+            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "rollout.verify_sync_every=1",
+            f"actor.offload={args.offload}"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
-    s = start_session(cfg)
-    free_total = torch.cuda.mem_get_info
-    s.handoff = Handoff(start=s.handoff.phase, measure=lambda: free_total()[1] - free_total()[0])
+    s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
+    print(s.plan.describe(), flush=True)
     rows = []
     try:
         for i in range(args.steps + 1):  # the first step warms up (allocator, kernels)
-            m = loop.colocated_step(s, cfg)
+            m = loop.step(s)
             s.step += 1
             print(f"step {i}: " + " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("time/")),
                   flush=True)
@@ -101,7 +102,7 @@ def main() -> None:
         if args.profile:  # one more step under cProfile, not counted: the profiler slows Python-bound phases
             prof = cProfile.Profile()
             with prof:
-                loop.colocated_step(s, cfg)
+                loop.step(s)
             s.step += 1
             dump(prof, args.profile, "one colocated step (under cProfile: slower than the timed steps)")
         # Bare vLLM on the same prompts and sampling, for the throughput ratio: alternated with ours
@@ -110,7 +111,7 @@ def main() -> None:
         from vllm import SamplingParams
 
         sp = [SamplingParams(n=args.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                             max_tokens=args.tokens, logprobs=0, seed=s.step_seed() + i * args.n,
+                             max_tokens=args.tokens, logprobs=0, seed=sampling_seed(cfg, s.step) + i * args.n,
                              stop_token_ids=s.rollout.eos_ids, detokenize=False)
               for i in range(len(samples))]  # the engine's own request: seeded per prompt
         prompts = [{"prompt_token_ids": list(x.prompt_ids)} for x in samples]
@@ -121,7 +122,7 @@ def main() -> None:
 
         def ours() -> int:
             nonlocal batch
-            batch = s.rollout.generate(samples, seed=s.step_seed())
+            batch = s.rollout.generate(samples, seed=sampling_seed(cfg, s.step))
             return int(batch.response_lens.sum())
 
         rates = {"bare": [], "ours": []}
@@ -138,13 +139,9 @@ def main() -> None:
                     fn()
                 dump(prof, args.profile, title)
         # Per-token logprob gap (bf16) on that batch, before any update.
-        s.rollout.sleep(cfg.rollout.sleep_level)
-        s.actor.onload()
-        lp = s.actor.compute_logprobs(batch)
+        with s.handoff.actor_owned(changes_weights=False):
+            lp = s.actor.compute_logprobs(batch)
         diff = (lp - batch.rollout_logprobs).abs()[batch.loss_mask].float()
-        s.actor.offload()
-        s.rollout.wake(["weights"])
-        s.rollout.wake(["kv_cache"])
     finally:
         s.close()
 
@@ -152,7 +149,7 @@ def main() -> None:
     phases = {k[5:]: mean(k) for k in rows[0] if k.startswith("time/") and k != "time/step"}
     handoff_keys = ("sleep", "onload", "offload", "wake_weights", "sync", "wake_kv")
     step_s = mean("time/step")
-    used = s.handoff.peak_used()
+    used = s.handoff.machine.peak_used()
     kv = used.get("rollout", 0) - used.get("rollout_weights", 0)
     result = {
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -167,7 +164,9 @@ def main() -> None:
                            "weight sync (d2d, IPC)": mean("sync/GBps")},
         "limits_GBps": limits,
         "sync_bytes": rows[0]["sync/bytes"],
-        "offloaded_bytes": rows[0]["actor/offloaded_bytes"],
+        "offloaded_bytes": rows[0]["actor/offload_bytes"],
+        "offloaded_parts": list(s.plan.memory.offload),
+        "memory_predicted_GiB_at_phase": {k: v / GiB for k, v in s.plan.memory.peaks().items()},
         "rollout_tokens_per_s": max(rates["ours"]),
         "bare_vllm_tokens_per_s": max(rates["bare"]),
         "rollout_vs_bare_vllm": max(rates["ours"]) / max(rates["bare"]),

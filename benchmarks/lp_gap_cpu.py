@@ -45,11 +45,12 @@ def job(fp32_residual: bool, steps: int, out: Path) -> None:
     s = start_session(cfg)
     try:
         # One batch scored by this actor before any update, for the comparison with the fp32 actor.
-        batch, _ = loop.generate(s, s.sampler.next_batch())
-        bf16 = loop.with_actor(s, lambda: s.actor.compute_logprobs(batch))
+        batch = s.buffer.generate(s.sampler.next_batch())
+        with s.handoff.actor_owned(changes_weights=False):
+            bf16 = s.actor.compute_logprobs(batch)
         gaps = []
         for _ in range(steps):
-            m = loop.colocated_step(s, cfg)
+            m = loop.step(s)
             s.step += 1
             gaps.append(m["train_rollout_logprob_abs_diff"])
             print(f"fp32_residual={fp32_residual} step {s.step}: gap {gaps[-1]:.5f}", flush=True)

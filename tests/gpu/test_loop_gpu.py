@@ -34,31 +34,26 @@ def gpu_cfg(tmp_path, model, gpus: int = 1, **over):
             "rollout.gpu_memory_utilization": "0.3", "rollout.enforce_eager": "true", "sft.steps": "0",
             "eval.every": "0", "checkpoint.at_end": "false",
             "placement.gpus_per_node": str(gpus), "placement.launcher": "local" if gpus == 1 else "ray",
-            "rollout.verify_sync_every": "1", **over}
+            "rollout.verify_sync_every": "1", "actor.offload": "all", **over}
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
 
 
-def device_used() -> int:
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
 def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):
+    # actor.offload=all: every part leaves the card each step, so each side's hand-over shows.
     s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small")))
-    s.handoff.measure = device_used  # the whole card: vLLM's process and the actor's
     try:
         for step in range(3):
-            start = len(s.handoff.history)
-            m = loop.colocated_step(s, s.cfg)
+            start = len(s.handoff.machine.history)
+            m = loop.step(s)
             s.step = step + 1
-            assert [h[0] for h in s.handoff.history[start:]] == CYCLE
+            assert [h[0] for h in s.handoff.machine.history[start:]] == CYCLE
             # fp32 both sides; GPU kernels order sums differently, so the bound is looser than the CPU's.
             assert m["train_rollout_logprob_abs_diff"] <= 2e-3, m["train_rollout_logprob_abs_diff"]
             assert m["sync/bytes"] > 0 and m["update_skipped"] == 0
             s.actor.onload(["params"])
             assert s.workers.verify() > 0  # engine checksums equal the actor's after the sync
             s.actor.offload(["params"])
-        used = s.handoff.peak_used()
+        used = s.handoff.machine.peak_used()  # the whole card: vLLM's process and the actor's
         # Sleeping vLLM frees its KV cache (1 GiB) and weights; offloading the actor frees its state.
         assert used["idle"] < used["rollout"] - 2**29, used
         assert used["actor_params"] < used["actor"], used
@@ -74,7 +69,7 @@ def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
     try:
         assert len(s.workers.senders) == 2, "one sender per GPU UUID"
         for step in range(2):
-            m = loop.colocated_step(s, s.cfg)
+            m = loop.step(s)
             s.step = step + 1
             assert m["train_rollout_logprob_abs_diff"] <= 2e-3, m["train_rollout_logprob_abs_diff"]
             assert m["sync/bytes"] > 0
