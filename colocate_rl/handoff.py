@@ -142,17 +142,21 @@ class ColocatedHandoff(Handoff):
             self.workers.actor.onload(kept)
 
     def _actor_move(self, t: Optional[PhaseTimer], way: str, parts: list[str]) -> None:
+        """actor.onload / actor.offload of ``parts``; an offload of nothing still returns the
+        allocator's cached blocks (the step's activations) to the device."""
         faults.point(way, self.step())
         with _timed(t, way):
-            if parts:
+            if parts or way == "offload":
                 nbytes, seconds = getattr(self.workers.actor, way)(parts)
                 self.moved[way] += nbytes
                 self.moved_s[way] += seconds
 
     def to_actor(self, t: Optional[PhaseTimer] = None) -> None:
-        # self.workers.rollout is looked up at each call: a replaced engine is a new object.
+        # self.workers.rollout is looked up at each call: a replaced engine is a new object. When the
+        # plan says the actor's step fits beside the awake engine, it stays awake (only alive-checked).
         with _timed(t, "sleep"):
-            self._engine("sleep", lambda: self.workers.rollout.sleep(self.cfg.rollout.sleep_level))
+            self._engine("sleep", lambda: self.workers.rollout.sleep(self.cfg.rollout.sleep_level)
+                         if self.plan.rollout_sleeps else self.workers.rollout.ping())
         self.machine.to(Phase.IDLE)
         self._actor_move(t, "onload", list(self.plan.offload))
         self.machine.to(Phase.ACTOR)
@@ -167,18 +171,19 @@ class ColocatedHandoff(Handoff):
     def _staged_wake(self, t: Optional[PhaseTimer]) -> SyncStats:
         """The weights wake while the KV cache still sleeps, so the peak is max(actor params + vLLM
         weights, vLLM weights + KV cache) instead of their sum."""
-        w = self.workers
+        w, sleeps = self.workers, self.plan.rollout_sleeps
+        self.machine.record()  # the train phase's peak: the allocator still holds the activations
         self._actor_move(t, "offload", [p for p in ("grads", "optimizer") if p in self.plan.offload])
         self.machine.to(Phase.ACTOR_PARAMS)
         with _timed(t, "wake_weights"):
-            self._engine("wake_weights", lambda: w.rollout.wake(["weights"]), retry=False)
+            self._engine("wake_weights", lambda: w.rollout.wake(["weights"]) if sleeps else None, retry=False)
         self.machine.to(Phase.SYNC)
         with _timed(t, "sync"):
             stats = self._engine("sync", self._sync, retry=False)
         self._actor_move(t, "offload", ["params"] if "params" in self.plan.offload else [])
         self.machine.to(Phase.ROLLOUT_WEIGHTS)
         with _timed(t, "wake_kv"):
-            self._engine("wake_kv", lambda: w.rollout.wake(["kv_cache"]), retry=False)
+            self._engine("wake_kv", lambda: w.rollout.wake(["kv_cache"]) if sleeps else None, retry=False)
         self.machine.to(Phase.ROLLOUT)
         return stats
 
