@@ -12,11 +12,11 @@ MoE routing replay (R3, ``rollout.routing_replay``): ``routed_experts[:, t, l, j
 expert the sampler routed token t to in the l-th MoE layer of the model (l counts only the decoder
 layers with routed experts, in order: ``models.registry.MoeRouting.layers``). Prompt positions
 are filled too (vLLM's prefill routes them); each row's last token, never fed through the sampler,
-and padding hold 0. Expert ids are global (expert parallelism does not renumber them). dtype:
-uint8 when the model has at most 256 experts, else int16 (``routing_dtype``), so the tensor takes
-B x T x L x top_k bytes (x2 for int16) of host memory: 384 bytes a token for Qwen3-30B-A3B (48
-layers, top-8), 258 for DeepSeek-V4-Flash (43 layers, top-6); a step of 256 rows of 8k tokens
-holds 0.8 GB and 0.54 GB of routing.
+and padding hold 0 (k equal experts: no routing, the actor routes such a token by itself). Expert
+ids are global (expert parallelism does not renumber them). dtype: uint8 when the model has at
+most 256 experts, else int16 (``routing_dtype``), so the tensor takes B x T x L x top_k bytes (x2
+for int16) of host memory: 384 bytes a token for Qwen3-30B-A3B (48 layers, top-8), 258 for
+DeepSeek-V4-Flash (43 layers, top-6); a step of 256 rows of 8k tokens holds 0.8 GB and 0.54 GB.
 """
 
 from __future__ import annotations

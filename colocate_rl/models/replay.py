@@ -38,24 +38,26 @@ class RoutingReplay:
         self.routing: Optional[torch.Tensor] = None  # [b, s, L, k] of the micro-batch in flight
 
     def install(self, model: torch.nn.Module) -> int:
-        """Every learned top-k router in ``model`` replays from here; returns how many. Hash-routed
-        routers are left as they are."""
+        """Every learned top-k router in ``model`` (this pipeline stage's) replays from here; returns
+        how many. Hash-routed routers are left as they are."""
+        from megatron.core.transformer.moe.moe_layer import BaseMoELayer
         from megatron.core.transformer.moe.router import TopKRouter
 
         count = 0
-        for module in model.modules():
-            if not isinstance(module, TopKRouter) or getattr(module, "is_hash", False):
+        for moe in model.modules():
+            router = getattr(moe, "router", None) if isinstance(moe, BaseMoELayer) else None
+            if not isinstance(router, TopKRouter) or getattr(router, "is_hash", False):
                 continue
-            if module.router_replay is not None:
+            if router.router_replay is not None:
                 raise ValueError("the model's routers already replay (megatron-core's moe_enable_routing_replay); "
                                  "leave it off with rollout.routing_replay")
-            layer = module.layer_number - 1  # megatron numbers layers from 1, globally over pipeline stages
+            layer = moe.layer_number - 1  # megatron numbers layers from 1, globally over pipeline stages
             if layer not in self.column:
                 raise ValueError(f"decoder layer {layer} has a router but is not among the model's MoE layers "
                                  f"{sorted(self.column)}")
-            module.router_replay = _LayerReplay(self, self.column[layer])
+            router.router_replay = _LayerReplay(self, self.column[layer])
             count += 1
-        return count
+        return count  # 0 on a pipeline stage of hash-routed layers only
 
     @contextlib.contextmanager
     def replaying(self, routing: Optional[torch.Tensor]) -> Iterator[None]:
@@ -102,7 +104,12 @@ class RoutingReplay:
 class _LayerReplay:
     """What megatron-core's top-k routing calls as a router's ``router_replay``: the replayed experts
     of one layer, and the scores at them (the caller gathers its unbiased scores at the ids again
-    where a bias picked them, and normalises)."""
+    where a bias picked them, and normalises).
+
+    A token whose replayed experts repeat one has no routing to replay (the zeros of padding, of
+    each row's last token, which the sampler never ran on, and of the positions the actor pads for
+    sequence parallelism): it takes the router's own top-k, as without replay. Megatron's token
+    permutation needs k distinct experts per token; those positions' outputs are never used."""
 
     def __init__(self, replay: RoutingReplay, column: int):
         self.replay, self.column = replay, column
@@ -111,7 +118,12 @@ class _LayerReplay:
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None):
         ids = self.replay.ids(self.column, scores.shape[0], topk)
+        own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if ids is None:
-            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            return own
         ids = ids.to(scores.device)
+        if topk > 1:
+            ordered = ids.sort(dim=1).values
+            unrouted = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1, keepdim=True)
+            ids = torch.where(unrouted, own[1], ids)
         return scores.gather(1, ids), ids

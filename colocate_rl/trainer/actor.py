@@ -202,7 +202,7 @@ class Actor:
         inputs = torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
         positions = torch.arange(t + pad, device=self.device).expand(b, t + pad)
         # Routing replay: every stage gets the whole [b, t, L, k] routing, each MoE layer reads its
-        # own column (expert 0 twice on the padded positions: their outputs are dropped).
+        # own column (zeros on the padded positions: they route by themselves, models/replay.py).
         routing = item[0].routed_experts if self._replay is not None else None
         if routing is not None and pad:
             routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, pad))
