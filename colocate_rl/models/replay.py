@@ -48,6 +48,9 @@ class RoutingReplay:
             router = getattr(moe, "router", None) if isinstance(moe, BaseMoELayer) else None
             if not isinstance(router, TopKRouter) or getattr(router, "is_hash", False):
                 continue
+            if router.config.moe_router_fusion:
+                raise ValueError("routing replay needs megatron-core's unfused top-k (moe_router_fusion=False): "
+                                 "the fused kernel takes no replayed experts")
             if router.router_replay is not None:
                 raise ValueError("the model's routers already replay (megatron-core's moe_enable_routing_replay); "
                                  "leave it off with rollout.routing_replay")
