@@ -118,7 +118,8 @@ class RolloutBatch:
             for i, r in enumerate(routed_experts):
                 if r.shape[0] > lens[i] or r.shape[1:] != first.shape[1:]:
                     raise ValueError(f"routed_experts of row {i} has shape {tuple(r.shape)}: more than its "
-                                     f"{lens[i]} tokens, or other (layers, top_k) than row 0's {tuple(first.shape[1:])}")
+                                     f"{lens[i]} tokens, or other (layers, top_k) than row 0's "
+                                     f"{tuple(first.shape[1:])}")
                 routing[i, : r.shape[0]] = r
         reasons = finish_reasons or ["stop"] * b
         return cls(

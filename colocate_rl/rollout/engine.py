@@ -216,7 +216,8 @@ class RolloutEngine:
             self.routing = moe_routing(_model_config(self.model_path, self.llm))
             if self.routing is None:
                 self.shutdown()
-                raise ValueError(f"rollout.routing_replay=true but the model at {self.model_path} has no routed experts")
+                raise ValueError(f"rollout.routing_replay=true but the model at {self.model_path} has no routed "
+                                 "experts")
         self.asleep = False
         self._syncing = False
         self._warned_sleep = False

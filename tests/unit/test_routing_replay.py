@@ -50,12 +50,14 @@ def test_from_rows_places_routing_on_its_tokens_and_select_concat_to_keep_it():
     assert torch.equal(s.routed_experts[0], expected(3, 2, 3)) and torch.equal(s.routed_experts[1], expected(3, 0, 3))
     both = RolloutBatch.concat([s, b])  # re-padded to T = 4 with zeros
     assert both.routed_experts.shape == (6, 4, L, K)
-    assert torch.equal(both.routed_experts[0], expected(3, 2, 4)) and torch.equal(both.routed_experts[5], b.routed_experts[3])
+    assert torch.equal(both.routed_experts[0], expected(3, 2, 4))
+    assert torch.equal(both.routed_experts[5], b.routed_experts[3])
     assert both.to("meta").routed_experts.is_meta
     with pytest.raises(ValueError, match="routed_experts is set in some batches and None in others"):
         RolloutBatch.concat([b, RolloutBatch.from_rows([[1]], [[2]], [Sample([1])], pad_id=0)])
     with pytest.raises(ValueError, match="RolloutBatch.routed_experts has shape"):
-        RolloutBatch(**{**{f: getattr(b, f) for f in b.__dataclass_fields__}, "routed_experts": torch.zeros(4, 3, L, K)})
+        fields = {f: getattr(b, f) for f in b.__dataclass_fields__}
+        RolloutBatch(**{**fields, "routed_experts": torch.zeros(4, 3, L, K)})
 
 
 def test_router_prompt_order_moves_routing_with_its_rows():
