@@ -6,7 +6,8 @@ A log on every MoE layer's token dispatcher records the experts it is handed. Re
 actor's own choices (from that log) gives the same logprobs and gradients, bit for bit, as not
 replaying; replaying other experts changes the logprobs, and every dispatch of the training step,
 recomputations included, carries exactly those experts, while hash-routed layers keep their table's.
-Two gloo ranks (Qwen3-MoE at EP=2, DeepSeek-V4 at TP=2 with sequence parallelism) replay like one.
+Two gloo ranks (Qwen3-MoE at EP=2 and at PP=2, DeepSeek-V4 at TP=2 with sequence parallelism)
+replay like one.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def test_replay_runs_the_given_experts_and_own_choices_change_nothing(tiny_model
 LENS = [12, 9, 11, 6, 10, 7, 12, 5]  # 4 prompts x 2 samples
 LAYOUTS = [  # (name, shape, actor overrides), world size 2
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
+    ("pp2", "qwen3-moe-tiny", dict(pp=2)),  # each stage's layer reads its own column
     ("tp2sp", "deepseek-v4-tiny", dict(tp=2, sequence_parallel=True)),  # odd-length micro-batches padded
 ]
 COMMON = dict(adam_eps=1e-3)  # see tests/integration/test_dsv4_parallel.py: smooth first Adam step
@@ -219,8 +221,8 @@ def all_layouts(jobs: list[tuple[str, str, dict]]) -> dict:
     return {name: replay_view(path, overrides) for name, path, overrides in jobs}
 
 
-# Slow: one spawn of two fresh processes (torch + megatron-core imports, ~15-25 s on 2 cores), two
-# actors each, then three one-rank actors.
+# Slow: one spawn of two fresh processes (torch + megatron-core imports, ~15-25 s on 2 cores), three
+# actors each, then four one-rank actors.
 @pytest.mark.slow
 def test_two_ranks_replay_like_one(tiny_model):
     from colocate_rl.trainer import run_on_ranks
