@@ -72,6 +72,11 @@ class RolloutConfig:
     # vllm | transformers: sample with transformers' generate in the actor's process, for models
     # vLLM cannot run on this machine (the tiny DeepSeek-V4 on CPU; see rollout/hf_generate.py).
     backend: str = "vllm"
+    # R3, MoE models: vLLM returns the experts it routed every token to, and the actor's MoE layers
+    # use those experts (weighted by the actor's own router scores at them) in every forward over the
+    # batch, so trainer and sampler run the same experts. Needs vLLM on GPUs (its CPU build cannot
+    # return routed experts). Costs B x T x MoE layers x top_k bytes of host memory a step (types.py).
+    routing_replay: bool = False
 
 
 @dataclass
@@ -574,6 +579,12 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                           "(megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam)")
     if cfg.rollout.sync_timeout_s <= 0:
         raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
+    if cfg.rollout.routing_replay and cfg.rollout.backend != "vllm":
+        raise ConfigError(f"rollout.routing_replay=true needs rollout.backend=vllm: the {cfg.rollout.backend} "
+                          "sampler returns no routed experts")
+    if cfg.rollout.routing_replay and gpn == 0:
+        raise ConfigError("rollout.routing_replay=true needs GPUs: vLLM's CPU build cannot return routed experts "
+                          "(placement.gpus_per_node=0 is the CPU)")
     if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
                                                   or lay.actor_gpus != 1):
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "

@@ -17,7 +17,7 @@ from colocate_rl import config as C
 from colocate_rl import platform
 from colocate_rl.config import Config, ConfigError, Layout
 from colocate_rl.memory import ACCELERATORS, MemoryPlan, plan_error, plan_memory
-from colocate_rl.models.registry import ModelSize, family_for, model_size
+from colocate_rl.models.registry import ModelSize, family_for, model_size, moe_routing
 from colocate_rl.models.tiny import SHAPES, known_config
 
 
@@ -150,6 +150,9 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
                 raise ConfigError(str(e)) from None
             problems.append(str(e))
         C.validate(cfg, hf)  # the context length against the model's
+        if cfg.rollout.routing_replay and moe_routing(hf) is None:
+            raise ConfigError(f"rollout.routing_replay=true but the model ({hf.get('model_type')}) has no routed "
+                              "experts to replay")
         size = model_size(hf)
     device, capacity = device_summary(cfg, lay)
     memory = plan_memory(cfg, lay, size, capacity) if size else MemoryPlan(colocated=lay.colocated,

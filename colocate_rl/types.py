@@ -7,6 +7,16 @@ of one prompt (its ``n`` samples) are adjacent and share a ``group_ids`` value, 
 statistics are reshapes, not gathers.
 
 Shapes: B = prompts × samples per prompt, T = longest prompt + response in the batch.
+
+MoE routing replay (R3, ``rollout.routing_replay``): ``routed_experts[:, t, l, j]`` is the j-th
+expert the sampler routed token t to in the l-th MoE layer of the model (l counts only the decoder
+layers with routed experts, in order: ``models.registry.MoeRouting.layers``). Prompt positions
+are filled too (vLLM's prefill routes them); each row's last token, never fed through the sampler,
+and padding hold 0 (k equal experts: no routing, the actor routes such a token by itself). Expert
+ids are global (expert parallelism does not renumber them). dtype: uint8 when the model has at
+most 256 experts, else int16 (``routing_dtype``), so the tensor takes B x T x L x top_k bytes (x2
+for int16) of host memory: 384 bytes a token for Qwen3-30B-A3B (48 layers, top-8), 258 for
+DeepSeek-V4-Flash (43 layers, top-6); a step of 256 rows of 8k tokens holds 0.8 GB and 0.54 GB.
 """
 
 from __future__ import annotations
@@ -15,6 +25,16 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """dtype of RolloutBatch.routed_experts for a model of ``num_experts`` routed experts: the
+    smallest that holds every expert id (vLLM returns uint8 up to 256 experts, uint16 above)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 2**15:
+        return torch.int16
+    raise ValueError(f"{num_experts} routed experts do not fit the int16 expert ids of routing replay")
 
 
 @dataclass
@@ -42,7 +62,7 @@ class RolloutBatch:
     samples: list[Sample]  # [B] the prompt each row came from (repeated n times)
     rewards: torch.Tensor | None = None  # [B] float32, filled by the reward phase
     advantages: torch.Tensor | None = None  # [B] float32, filled by the advantage phase
-    routed_experts: torch.Tensor | None = None  # [B, T, layers, top_k] int16, MoE routing replay (GPU only)
+    routed_experts: torch.Tensor | None = None  # [B, T, L_moe, top_k] uint8 / int16: the sampler's experts (R3)
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
@@ -55,6 +75,10 @@ class RolloutBatch:
         for f in ("finish_reasons", "responses", "samples"):
             if len(getattr(self, f)) != b:
                 raise ValueError(f"RolloutBatch.{f} has {len(getattr(self, f))} entries, expected {b}")
+        r = self.routed_experts
+        if r is not None and (r.dim() != 4 or r.shape[:2] != (b, t)):
+            raise ValueError(f"RolloutBatch.routed_experts has shape {tuple(r.shape)}, expected {(b, t)} + "
+                             "(MoE layers, top_k)")
 
     @classmethod
     def from_rows(
@@ -67,8 +91,11 @@ class RolloutBatch:
         finish_reasons: list[str] | None = None,
         responses: list[str] | None = None,
         n: int = 1,
+        routed_experts: list[torch.Tensor] | None = None,
     ) -> "RolloutBatch":
-        """Right-pads B = len(prompt_ids) rows of prompt + response; rows come in groups of n adjacent rows."""
+        """Right-pads B = len(prompt_ids) rows of prompt + response; rows come in groups of n adjacent rows.
+        ``routed_experts[i]`` [n_i, L_moe, top_k]: the experts of row i's first n_i tokens (n_i <= its
+        length), zero after them."""
         b = len(prompt_ids)
         if b % n:
             raise ValueError(f"{b} rows do not split into groups of n={n}")
@@ -82,6 +109,18 @@ class RolloutBatch:
             loss_mask[i, len(p) : len(p) + len(r)] = True
             if response_logprobs is not None:
                 logprobs[i, len(p) : len(p) + len(r)] = torch.tensor(response_logprobs[i], dtype=torch.float32)
+        routing = None
+        if routed_experts:
+            if len(routed_experts) != b:
+                raise ValueError(f"routed_experts has {len(routed_experts)} rows, expected {b}")
+            first = routed_experts[0]
+            routing = torch.zeros((b, t, *first.shape[1:]), dtype=first.dtype)
+            for i, r in enumerate(routed_experts):
+                if r.shape[0] > lens[i] or r.shape[1:] != first.shape[1:]:
+                    raise ValueError(f"routed_experts of row {i} has shape {tuple(r.shape)}: more than its "
+                                     f"{lens[i]} tokens, or other (layers, top_k) than row 0's "
+                                     f"{tuple(first.shape[1:])}")
+                routing[i, : r.shape[0]] = r
         reasons = finish_reasons or ["stop"] * b
         return cls(
             tokens=tokens,
@@ -95,6 +134,7 @@ class RolloutBatch:
             finish_reasons=list(reasons),
             responses=list(responses) if responses is not None else [""] * b,
             samples=list(samples),
+            routed_experts=routing,
         )
 
     @property
@@ -147,6 +187,8 @@ class RolloutBatch:
             if f.name == "group_ids":
                 continue
             vals = [getattr(b, f.name) for b in batches]
+            if any(v is None for v in vals) and any(v is not None for v in vals):
+                raise ValueError(f"RolloutBatch.concat: {f.name} is set in some batches and None in others")
             if vals[0] is None:
                 out[f.name] = None
             elif isinstance(vals[0], list):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from colocate_rl.models.mapping import ParamSpec
-from colocate_rl.models.registry import Family, common_config_fields, register
+from colocate_rl.models.registry import Family, MoeRouting, common_config_fields, register
 
 
 def _rope_theta(hf: dict) -> float:
@@ -33,6 +33,11 @@ def _moe_layers(hf: dict) -> list[bool]:
     n, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
     e = _num_experts(hf)
     return [e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+
+def moe_routing(hf: dict) -> MoeRouting | None:
+    layers = tuple(i for i, m in enumerate(_moe_layers(hf)) if m)
+    return MoeRouting(layers, _num_experts(hf), int(hf["num_experts_per_tok"])) if layers else None
 
 
 def _head_dim(hf: dict) -> int:
@@ -207,4 +212,4 @@ def verify_names(hf: dict) -> list[str]:
 for _name, _types in (("qwen3", ("qwen3",)), ("qwen3_moe", ("qwen3_moe",))):
     register(Family(name=_name, model_types=_types, transformer_config=transformer_config, layer_spec=layer_spec,
                     model_kwargs=model_kwargs, params=params, check_parallel=check_parallel,
-                    verify_names=verify_names))
+                    verify_names=verify_names, moe_routing=moe_routing))

@@ -33,6 +33,22 @@ def common_config_fields(params_dtype) -> dict:
 
 
 @dataclass(frozen=True)
+class MoeRouting:
+    """Where a model routes tokens to experts: what routing replay (R3) records and replays."""
+
+    layers: tuple[int, ...]  # decoder layers with routed experts, in order: the L_moe columns of routed_experts
+    experts: int  # routed experts per layer (ids are 0 .. experts - 1, over all expert-parallel ranks)
+    topk: int  # experts per token
+
+    @property
+    def dtype(self):
+        """dtype of RolloutBatch.routed_experts for this model (types.routing_dtype)."""
+        from colocate_rl.types import routing_dtype
+
+        return routing_dtype(self.experts)
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]  # HF config.json "model_type" values this family serves
@@ -61,6 +77,8 @@ class Family:
     # (that model's named parameters and buffers, exported name) -> the tensor (or view) holding it,
     # for families whose transformers layout differs from the exported one. None: the same name.
     hf_tensor: Optional[Callable] = None
+    # hf_config -> MoeRouting of its routed experts (routing replay), None for a model without experts
+    moe_routing: Callable[[dict], Optional[MoeRouting]] = lambda hf: None
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -99,6 +117,11 @@ def model_size(hf: dict) -> ModelSize:
         layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
         moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
         topk=int(hf.get("num_experts_per_tok") or 0))
+
+
+def moe_routing(hf: dict) -> Optional[MoeRouting]:
+    """The model's MoeRouting (None without routed experts)."""
+    return family_for(hf).moe_routing(hf)
 
 
 _FAMILIES: dict[str, Family] = {}

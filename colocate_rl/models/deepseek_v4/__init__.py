@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from colocate_rl.models.deepseek_v4.config import Hparams
 from colocate_rl.models.deepseek_v4.weights import params
-from colocate_rl.models.registry import Family, common_config_fields, register
+from colocate_rl.models.registry import Family, MoeRouting, common_config_fields, register
 
 
 def first_stage_layers(num_layers: int, pp: int) -> Optional[int]:
@@ -115,6 +115,13 @@ def hf_model(path, dtype):
     return transformers_model(path, dtype)
 
 
+def moe_routing(hf: dict) -> MoeRouting:
+    """Every decoder layer routes to experts: the first num_hash_layers by the token → experts table
+    (replay leaves them alone: the table gives the sampler's experts already), the rest by noaux_tc."""
+    h = Hparams.from_official(hf)
+    return MoeRouting(tuple(range(h.num_layers)), h.num_experts, h.topk)
+
+
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
@@ -137,5 +144,5 @@ def hf_tensor(tensors: dict, name: str):
 FAMILY = register(Family(
     name="deepseek_v4", model_types=("deepseek_v4",), transformer_config=transformer_config,
     layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
-    build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor,
+    build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor, moe_routing=moe_routing,
 ))
