@@ -16,11 +16,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from colocate_rl.config import ConfigError
 
 PG_READY_S = 120.0  # a placement group not ready by then will not fit the cluster
 NODE_ID_LABEL = "ray.io/node-id"
@@ -99,10 +101,15 @@ def _reason(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def gather(refs: list, names: Sequence[str], what: str) -> list:
+PROBE_S = 10.0  # after a rank's error, how long the others' liveness probes may take (a dead one fails at once)
+
+
+def gather(refs: list, names: Sequence[str], what: str, handles: Optional[Sequence] = None) -> list:
     """ray.get of one call per process, failing at the first that fails: a process that died raises
-    ProcessLost naming it (the others may wait in a collective for it and never return); any other
-    error is raised as it came."""
+    ProcessLost naming it (the others may wait in a collective for it and never return). Another
+    error is often a rank's collective failing because a peer died (gloo: "connection closed by
+    peer"): with ``handles`` (the processes' Ray actors) the others are probed, and a dead one is
+    reported as the cause; otherwise the error is raised as it came."""
     index = {r: i for i, r in enumerate(refs)}
     pending = list(refs)
     while pending:
@@ -111,13 +118,33 @@ def gather(refs: list, names: Sequence[str], what: str) -> list:
             ray.get(done[0])
         except ray.exceptions.RayActorError as e:
             raise ProcessLost(f"{names[index[done[0]]]} died during {what}: {_reason(e)}") from None
+        except Exception as e:
+            dead = _dead(handles, skip=index[done[0]]) if handles is not None else None
+            if dead is None:
+                raise
+            i, err = dead
+            raise ProcessLost(f"{names[i]} died during {what}: {_reason(err)} ({names[index[done[0]]]} then failed: "
+                              f"{_reason(e)})") from None
     return ray.get(list(refs))
+
+
+def _dead(handles: Sequence, skip: int) -> Optional[tuple[int, BaseException]]:
+    """(index, error) of the first of ``handles`` whose process is gone, else None. A live process busy
+    in a collective does not answer its probe; a dead one fails it at once."""
+    probes = {h.where.remote(): i for i, h in enumerate(handles) if i != skip}
+    done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=PROBE_S)
+    for ref in sorted(done, key=lambda r: probes[r]):
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return probes[ref], e
+    return None
 
 
 # ---------------------------------------------------------------- the shared checkpoint folder
 
 
-class FolderNotShared(RuntimeError):
+class FolderNotShared(ConfigError):
     """A node of the cluster does not see the run's checkpoint folder; the message names it."""
 
 

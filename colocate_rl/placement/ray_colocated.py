@@ -205,7 +205,7 @@ class ActorGroup:
 
     def get(self, refs: list, what: str) -> list:
         """Every rank's result of one call (``refs``, one per rank, in rank order)."""
-        return gather(refs, self.names, what)
+        return gather(refs, self.names, what, self.ranks)
 
     def all(self, method: str, *args, **kwargs) -> list:
         """trainer.Actor.<method> on every rank; every rank's result."""
