@@ -49,6 +49,7 @@ from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
 from colocate_rl.weight_sync.ipc import SyncStats
 
+
 @dataclass(frozen=True)
 class Pools:
     actor: list[dict[str, float]]  # one bundle per actor rank

@@ -66,7 +66,8 @@ def wait_ready(pg: PlacementGroup, what: str, bundles: Sequence[dict[str, float]
                            f"in {PG_READY_S:g} s; available: {ray.available_resources()}") from None
 
 
-def node_groups(per_node: Sequence[Sequence[dict[str, float]]], what: str, avoid: Sequence[str] = ()) -> list[NodeGroup]:
+def node_groups(per_node: Sequence[Sequence[dict[str, float]]], what: str,
+                avoid: Sequence[str] = ()) -> list[NodeGroup]:
     """One STRICT_PACK placement group per entry of ``per_node`` (that node's bundles), each on a node
     of its own, none on a node in ``avoid``. Made in order, each kept off the nodes taken before it."""
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in avoid]
@@ -168,8 +169,8 @@ def check_shared_folder(folder: Path, what: str = "checkpoint.dir") -> int:
     marker.write_text(token)
     try:
         nodes = [n for n in ray.nodes() if n["Alive"]]
-        seen = ray.get([_read_marker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                        .remote(str(marker)) for n in nodes])
+        on = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
+        seen = ray.get([_read_marker.options(scheduling_strategy=s).remote(str(marker)) for s in on])
     finally:
         marker.unlink(missing_ok=True)
     for n, text in zip(nodes, seen):

@@ -444,8 +444,8 @@ def launch(cfg: Config) -> RayColocated:
     def start_engine(e: int):
         k, j = divmod(e, epn)  # engine j of node k: that node's j-th TP group of GPUs
         env = platform.visible_devices_env(node_gpus[k][j * tp:(j + 1) * tp]) if gpu else {}
-        return RolloutHost.options(**bundle(k, j * tp if gpu else 0)).remote(cfg, {**env, **net, "OMP_NUM_THREADS": "1"},
-                                                                            authkey)
+        env.update(net, OMP_NUM_THREADS="1")
+        return RolloutHost.options(**bundle(k, j * tp if gpu else 0)).remote(cfg, env, authkey)
 
     engines = EngineGroup([start_engine(e) for e in range(lay.engines)], cfg.rollout.max_response_tokens,
                           cfg.rollout.n)

@@ -115,7 +115,8 @@ class BroadcastGroup:
             behind = []
             for r in range(self.spec.world_size):
                 key = str(r)
-                at = tuple(int(x) for x in self._marks.get(key).decode().split(":")) if self._marks.check([key]) else None
+                mark = self._marks.get(key).decode() if self._marks.check([key]) else None
+                at = tuple(int(x) for x in mark.split(":")) if mark else None
                 if at is None or at < here:
                     where = ("never joined" if at is None else "joined, never started this sync" if at[1] < 0 or
                              at[0] < here[0] else f"at bucket {at[1]}")

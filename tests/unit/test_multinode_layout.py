@@ -47,7 +47,8 @@ def test_disaggregated_nodes():
     lay, p = layout(cpu), pools(cpu)
     assert (lay.actor_gpus, lay.ranks_per_node, lay.engines) == (2, 1, 1)
     assert p.per_node(p.actor, p.actor_nodes) == [[{"CPU": 1.0}], [{"CPU": 1.0}]] and not p.one_node
-    with pytest.raises(ConfigError, match=r"rollout.num_engines=3 does not split evenly over placement.rollout_nodes=2"):
+    with pytest.raises(ConfigError, match=r"rollout.num_engines=3 does not split evenly over "
+                                          r"placement.rollout_nodes=2"):
         cfg("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=0",
             "placement.actor_nodes=1", "placement.rollout_nodes=2", "rollout.num_engines=3")
     with pytest.raises(ConfigError, match=r"placement.actor_nodes=0 and placement.rollout_nodes=2 must both be >= 1"):
@@ -82,5 +83,7 @@ def test_network_variables_reach_every_process(monkeypatch):
 
 
 def test_rank_names_say_where():
-    names = rank_names([{"node_ip": "10.0.0.1", "node_id": "abcdef0123"}, {"node_ip": "10.0.0.2", "node_id": "99887766aa"}])
-    assert names == ["actor rank 0 of 2 on 10.0.0.1 (Ray node abcdef01)", "actor rank 1 of 2 on 10.0.0.2 (Ray node 99887766)"]
+    names = rank_names([{"node_ip": "10.0.0.1", "node_id": "abcdef0123"},
+                        {"node_ip": "10.0.0.2", "node_id": "99887766aa"}])
+    assert names == ["actor rank 0 of 2 on 10.0.0.1 (Ray node abcdef01)",
+                     "actor rank 1 of 2 on 10.0.0.2 (Ray node 99887766)"]
