@@ -170,12 +170,15 @@ def check_shared_folder(folder: Path, what: str = "checkpoint.dir") -> int:
     try:
         nodes = [n for n in ray.nodes() if n["Alive"]]
         on = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in nodes]
-        seen = ray.get([_read_marker.options(scheduling_strategy=s).remote(str(marker)) for s in on])
+        refs = [_read_marker.options(scheduling_strategy=s).remote(str(marker)) for s in on]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=PG_READY_S)
+        seen = [ray.get(r) if r in done else r for r in refs]
     finally:
         marker.unlink(missing_ok=True)
     for n, text in zip(nodes, seen):
         if text != token:
-            raise FolderNotShared(
-                f"{what}: Ray node {short(n['NodeID'])} ({n['NodeManagerAddress']}) does not see {folder} "
-                "(every node must mount the same folder: docs/multinode.md)")
+            why = f"did not read {folder} within {PG_READY_S:g} s" if isinstance(text, ray.ObjectRef) else \
+                f"does not see {folder}"
+            raise FolderNotShared(f"{what}: Ray node {short(n['NodeID'])} ({n['NodeManagerAddress']}) {why} "
+                                  "(every node must mount the same folder: docs/multinode.md)")
     return len(nodes)

@@ -37,8 +37,8 @@ from colocate_rl.session import start_session
 from test_loop import tiny_cfg  # noqa: E402 - same folder
 
 ray = pytest.importorskip("ray")
-# ~3 min on 2 cores: four raylets, two colocated sessions of four vLLM / megatron-core processes
-# each (one of them resumed), one disaggregated session of three.
+# ~2.5-3.5 min on 2 cores (by the machine's load): five raylets, two colocated sessions of four
+# vLLM / megatron-core processes each (the second one resumed), one disaggregated session of three.
 pytestmark = pytest.mark.slow
 
 
