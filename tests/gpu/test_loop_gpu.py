@@ -45,20 +45,20 @@ def device_used() -> int:
 
 def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):
     s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small")))
-    s.handoff.measure = device_used  # the whole card: vLLM's process and the actor's
+    s.handoff.machine.measure = device_used  # the whole card: vLLM's process and the actor's
     try:
         for step in range(3):
-            start = len(s.handoff.history)
-            m = loop.colocated_step(s, s.cfg)
+            start = len(s.handoff.machine.history)
+            m = loop.step(s)
             s.step = step + 1
-            assert [h[0] for h in s.handoff.history[start:]] == CYCLE
+            assert [h[0] for h in s.handoff.machine.history[start:]] == CYCLE
             # fp32 both sides; GPU kernels order sums differently, so the bound is looser than the CPU's.
             assert m["train_rollout_logprob_abs_diff"] <= 2e-3, m["train_rollout_logprob_abs_diff"]
             assert m["sync/bytes"] > 0 and m["update_skipped"] == 0
             s.actor.onload(["params"])
             assert s.workers.verify() > 0  # engine checksums equal the actor's after the sync
             s.actor.offload(["params"])
-        used = s.handoff.peak_used()
+        used = s.handoff.machine.peak_used()
         # Sleeping vLLM frees its KV cache (1 GiB) and weights; offloading the actor frees its state.
         assert used["idle"] < used["rollout"] - 2**29, used
         assert used["actor_params"] < used["actor"], used
@@ -77,7 +77,7 @@ def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
         ranks, engine = procs["ranks"], procs["engines"][0]
         assert [r["env"]["LOCAL_RANK"] for r in ranks] == ["0", "1"] and engine["uuids"] == [r["uuid"] for r in ranks]
         for step in range(2):
-            m = loop.colocated_step(s, s.cfg)
+            m = loop.step(s)
             s.step = step + 1
             assert m["train_rollout_logprob_abs_diff"] <= 2e-3, m["train_rollout_logprob_abs_diff"]
             assert m["sync/bytes"] > 0
