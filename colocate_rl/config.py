@@ -201,6 +201,9 @@ class RewardConfig:
 @dataclass
 class PlacementConfig:
     mode: str = "colocated"  # colocated | disaggregated
+    # Nodes of the Ray cluster the run takes (docs/multinode.md). Colocated: every node holds
+    # gpus_per_node actor ranks and the engines of their GPUs. On CPU (gpus_per_node=0) a node
+    # holds actor ranks / nodes ranks (actor.dp=0: one tp x pp group per node) and one engine.
     nnodes: int = 1
     # -1: every GPU this machine has (0 on a machine without); 0: the CPU, even where a GPU exists.
     gpus_per_node: int = -1
@@ -426,7 +429,10 @@ def model_info(cfg: Config) -> dict:
 class Layout:
     """Who runs where, derived once from ``placement``, ``actor`` and ``rollout`` (``layout``).
 
-    On CPU (gpus_per_node = 0) the actor's ranks are processes and ``actor_gpus`` counts them."""
+    On CPU (gpus_per_node = 0) the actor's ranks are processes and ``actor_gpus`` counts them; a
+    node's "GPUs" are then the ranks it holds: the actor ranks split evenly over the actor nodes
+    (``actor.dp`` = 0 derives one tp x pp group per actor node), and each colocated node runs one
+    engine."""
 
     gpus_per_node: int  # 0 = CPU
     nnodes: int
@@ -437,8 +443,12 @@ class Layout:
     ep: int
     dp: int
     rollout_gpus: int  # GPUs the engines run on (colocated: the actor's)
-    engines: int  # vLLM engines (colocated: one per node)
+    engines: int  # vLLM engines (colocated: one per TP group of every node; on CPU one per node)
     engine_tp: int
+    actor_nodes: int = 1  # nodes holding actor ranks (colocated: every node)
+    rollout_nodes: int = 1  # nodes holding engines (colocated: every node; disaggregated on one node: that node)
+    ranks_per_node: int = 1  # actor ranks on each actor node (its GPUs; on CPU actor ranks / actor nodes)
+    engines_per_node: int = 1  # engines on each rollout node
 
     @property
     def on_gpu(self) -> bool:
@@ -465,9 +475,19 @@ def layout(cfg: Config) -> Layout:
     pl, a, r = cfg.placement, cfg.actor, cfg.rollout
     gpn = gpus_per_node(cfg)
     colocated = pl.mode == "colocated"
+    if colocated:
+        actor_nodes = rollout_nodes = pl.nnodes
+    elif pl.nnodes > 1:
+        actor_nodes, rollout_nodes = pl.actor_nodes, pl.rollout_nodes
+    else:
+        actor_nodes = rollout_nodes = 1  # one node holds both pools
     if gpn == 0:
-        actor = a.tp * a.pp * max(a.dp, 1)
+        actor = a.tp * a.pp * (a.dp or actor_nodes)  # dp = 0: one tp x pp group per actor node
         rollout = 0
+        if actor % actor_nodes:
+            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks do not split "
+                              f"evenly over the {actor_nodes} actor node(s) (placement.nnodes={pl.nnodes}; on CPU "
+                              "each node holds the same number of ranks)")
     elif colocated:
         actor = rollout = pl.nnodes * gpn
     elif pl.nnodes > 1:
@@ -489,9 +509,9 @@ def layout(cfg: Config) -> Layout:
         if tp > gpn:
             raise ConfigError(f"rollout.tensor_parallel_size={tp} exceeds placement.gpus_per_node={gpn}: "
                               "an engine's TP group stays on one node")
+        if (colocated or rollout_nodes > 1) and gpn % tp:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpn} GPUs of a node")
         if colocated:
-            if gpn % tp:
-                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpn} GPUs of a node")
             engines = pl.nnodes * (gpn // tp)
         elif not r.num_engines:
             engines = max(rollout // tp, 1)
@@ -500,8 +520,17 @@ def layout(cfg: Config) -> Layout:
         elif engines * tp != rollout:
             raise ConfigError(f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} must equal the "
                               f"{rollout} rollout GPUs (set rollout.num_engines={max(rollout // tp, 1)})")
+    elif colocated:
+        engines = pl.nnodes  # one CPU engine per node, serving that node's ranks
+    elif rollout_nodes > 1:
+        engines = r.num_engines or rollout_nodes
+        if engines % rollout_nodes:
+            raise ConfigError(f"rollout.num_engines={engines} does not split evenly over placement.rollout_nodes="
+                              f"{rollout_nodes} (on CPU each rollout node holds the same number of engines)")
     return Layout(gpus_per_node=gpn, nnodes=pl.nnodes, colocated=colocated, actor_gpus=actor, tp=a.tp, pp=a.pp,
-                  ep=a.ep, dp=dp, rollout_gpus=rollout, engines=engines, engine_tp=tp)
+                  ep=a.ep, dp=dp, rollout_gpus=rollout, engines=engines, engine_tp=tp, actor_nodes=actor_nodes,
+                  rollout_nodes=rollout_nodes, ranks_per_node=actor // actor_nodes,
+                  engines_per_node=engines // rollout_nodes)
 
 
 def actor_world_size(cfg: Config) -> int:
@@ -552,6 +581,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         )
     gpn = gpus_per_node(cfg)
     if pl.mode == "disaggregated":
+        if pl.nnodes > 1 and (pl.actor_nodes < 1 or pl.rollout_nodes < 1):
+            raise ConfigError(f"placement.actor_nodes={pl.actor_nodes} and placement.rollout_nodes={pl.rollout_nodes} "
+                              f"must both be >= 1 on placement.nnodes={pl.nnodes} nodes")
         if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
             raise ConfigError(
                 f"placement.actor_nodes={pl.actor_nodes} + placement.rollout_nodes={pl.rollout_nodes} "

@@ -35,10 +35,12 @@ class RunPlan:
         lay = self.layout
         lines = [f"device: {self.device}"]
         if lay.colocated:
-            lines.append(f"layout: colocated, {lay.actor_gpus} actor rank(s) (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, "
-                         f"ep {lay.ep}) sharing devices with {lay.engines} engine(s) of tp {lay.engine_tp}")
+            nodes = f" on {lay.nnodes} nodes ({lay.ranks_per_node} ranks each)" if lay.nnodes > 1 else ""
+            lines.append(f"layout: colocated{nodes}, {lay.actor_gpus} actor rank(s) (tp {lay.tp} x pp {lay.pp} x "
+                         f"dp {lay.dp}, ep {lay.ep}) sharing devices with {lay.engines} engine(s) of tp {lay.engine_tp}")
         else:
-            lines.append(f"layout: disaggregated, {lay.actor_gpus} actor rank(s) (tp {lay.tp} x pp {lay.pp} x "
+            nodes = (f" on {lay.actor_nodes} actor + {lay.rollout_nodes} rollout nodes" if lay.nnodes > 1 else "")
+            lines.append(f"layout: disaggregated{nodes}, {lay.actor_gpus} actor rank(s) (tp {lay.tp} x pp {lay.pp} x "
                          f"dp {lay.dp}, ep {lay.ep}); {lay.engines} engine(s) of tp {lay.engine_tp} on their own GPUs")
         if self.size:
             lines.append(f"model: {self.size.total / 1e9:.2f}B parameters ({self.size.experts / 1e9:.2f}B in routed "

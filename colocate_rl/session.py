@@ -19,7 +19,7 @@ from colocate_rl.data import PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
-from colocate_rl.placement import Workers, launch
+from colocate_rl.placement import Workers, check_shared_folder, launch
 from colocate_rl.plan import RunPlan, resolve
 from colocate_rl.rewards import RewardScorer
 from colocate_rl.trainer import NonfiniteGuard
@@ -96,6 +96,8 @@ def start_session(cfg: C.Config) -> Session:
                                          split="eval" if name.startswith("arithmetic") else cfg.eval.split))
                  for name in cfg.eval.sets}
     scorer = RewardScorer.from_config(cfg.reward)
+    checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
     workers = launch(cfg)  # colocated or disaggregated, by placement.mode
     handoff = workers.handoff_class(cfg, workers, plan.memory, measure=workers.device_used)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
@@ -104,7 +106,7 @@ def start_session(cfg: C.Config) -> Session:
         sampler=PromptSampler(train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed),
         train_samples=list(train), eval_sets=eval_sets, scorer=scorer, workers=workers, handoff=handoff,
         buffer=workers.make_buffer(handoff), log=log,
-        checkpoints=CheckpointStore(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep, log=_say),
+        checkpoints=CheckpointStore(checkpoints, cfg.checkpoint.keep, log=_say),
         guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row),
     )
     handoff.step = lambda: s.step + 1  # the step in progress, for fault points and messages

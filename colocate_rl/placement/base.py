@@ -9,6 +9,7 @@ module with a ``launch(cfg) -> Workers`` plus one line in ``PLACEMENTS``.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from colocate_rl.config import Config, layout
@@ -57,6 +58,24 @@ def launcher(cfg: Config) -> str:
     if cfg.placement.launcher != "auto":
         return cfg.placement.launcher
     return "local" if layout(cfg).actor_gpus == 1 and cfg.placement.nnodes == 1 else "ray"
+
+
+def check_shared_folder(cfg: Config, folder: Path) -> None:
+    """On a Ray cluster, every node sees ``folder`` (the checkpoint folder: each actor rank writes its
+    shards from its own node, and a resumed run reads them wherever it lands). Checked before
+    anything starts; a Ray instance this run starts itself is this machine alone, nothing to check.
+    Raises placement.nodes.FolderNotShared (a ConfigError) naming the node that cannot see it."""
+    if launcher(cfg) == "local":
+        return
+    import ray
+
+    if not (cfg.placement.ray_address or ray.is_initialized()):
+        return
+    from colocate_rl.placement.nodes import check_shared_folder as check
+    from colocate_rl.placement.ray_colocated import start_ray
+
+    start_ray(cfg)
+    check(folder)
 
 
 def launch(cfg: Config) -> Workers:

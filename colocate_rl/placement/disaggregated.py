@@ -7,9 +7,14 @@ published layout — 2 actor nodes (TP4 × PP4 × EP4) + 1 rollout node (TP8, FP
 ``nnodes=3 gpus_per_node=8 actor_nodes=2 rollout_nodes=1 rollout.tensor_parallel_size=8``: 16
 actor bundles and one rollout bundle of 8 GPUs. On CPU (``gpus_per_node=0``) bundles are CPUs.
 
-Ray is told not to set visible devices (ray_colocated.NOSET); each Ray actor sets
+On several nodes each actor node and each rollout node gets a placement group of its own
+(placement/nodes.py: STRICT_PACK, each group on a node no other group of the run holds), so the
+actor and the rollout never share a node; on one node the two pools are one placement group each
+(PACK). Ray is told not to set visible devices (ray_colocated.NOSET); each Ray actor sets
 CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES together to the GPUs Ray assigned it
-(``ray.get_gpu_ids``), before torch or vLLM start.
+(``ray.get_gpu_ids``), before torch or vLLM start. The actor's torch.distributed rendezvous and the
+broadcast group's store are on actor rank 0's node (its address, a port free there); NCCL/gloo pick
+the interface named by NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (placement.nodes.network_env).
 
 Weights travel over one broadcast group (weight_sync.broadcast): actor rank 0, which holds every
 full HF tensor after the export's gathers, is rank 0 of the group; engine e's worker w is rank
@@ -38,12 +43,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colocate_rl import platform
 from colocate_rl.config import Config, layout
 from colocate_rl.handoff import DisaggregatedHandoff
-from colocate_rl.placement.ray_colocated import ActorGroup, _free_port, _Host, start_ray
+from colocate_rl.placement.nodes import network_env, node_groups, wait_ready
+from colocate_rl.placement.ray_colocated import ActorGroup, _Host, rank_names, start_ray
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
 from colocate_rl.weight_sync.ipc import SyncStats
-
-PG_READY_S = 120.0  # a placement group not ready by then will not fit the cluster
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,24 @@ class Pools:
     actor: list[dict[str, float]]  # one bundle per actor rank
     rollout: list[dict[str, float]]  # one bundle per engine (all its TP GPUs)
     engine_gpus: int  # GPUs per engine (0 on CPU)
+    actor_nodes: int = 1  # nodes the actor bundles split over evenly (several: a placement group per node)
+    rollout_nodes: int = 1
+    one_node: bool = True  # both pools on one node (placement.nnodes=1)
+
+    def per_node(self, bundles: list[dict[str, float]], nodes: int) -> list[list[dict[str, float]]]:
+        n = len(bundles) // nodes
+        return [bundles[k * n:(k + 1) * n] for k in range(nodes)]
 
 
 def pools(cfg: Config) -> Pools:
     """The two pools' bundles (config.layout has checked that the rollout GPUs split into
     rollout.num_engines engines of rollout.tensor_parallel_size GPUs)."""
     lay = layout(cfg)
+    nodes = dict(actor_nodes=lay.actor_nodes, rollout_nodes=lay.rollout_nodes, one_node=lay.nnodes == 1)
     if not lay.on_gpu:
-        return Pools([{"CPU": 1.0}] * lay.actor_gpus, [{"CPU": 1.0}] * lay.engines, 0)
+        return Pools([{"CPU": 1.0}] * lay.actor_gpus, [{"CPU": 1.0}] * lay.engines, 0, **nodes)
     return Pools([{"GPU": 1.0, "CPU": 1.0}] * lay.actor_gpus, [{"GPU": float(lay.engine_tp), "CPU": 1.0}] * lay.engines,
-                 lay.engine_tp)
+                 lay.engine_tp, **nodes)
 
 
 def _pin_assigned_gpus() -> dict[str, str]:
@@ -73,18 +85,28 @@ def _pin_assigned_gpus() -> dict[str, str]:
 
 @ray.remote
 class TrainerRank(_Host):
-    """One Megatron rank of the actor pool."""
+    """One Megatron rank of the actor pool. Placed first (``where``), built second (``start``): its
+    environment names rank 0's node, known only once every rank is placed."""
 
-    def __init__(self, cfg: Config, env: dict[str, str], authkey: bytes):
+    def __init__(self, authkey: bytes):
         _pin_assigned_gpus()
-        super().__init__(env, authkey)
+        super().__init__({}, authkey)
+        self.group = None
+
+    def start(self, cfg: Config, env: dict[str, str]) -> None:
+        os.environ.update(env)  # before torch.distributed or NCCL start
         from colocate_rl.trainer import Actor
 
         self.obj = Actor(cfg)  # its own GPUs: nothing is offloaded between phases
-        self.group = None
 
-    def free_port(self) -> int:
-        return _free_port()
+    def describe(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        out = super().describe()
+        out.update(device=str(platform.device()), dist_rank=dist.get_rank() if dist.is_initialized() else None,
+                   dist_world=dist.get_world_size() if dist.is_initialized() else None,
+                   broadcast=None if self.group is None else (self.group.spec.master_addr, self.group.spec.master_port))
+        return out
 
     def join_broadcast(self, spec: dict[str, Any]) -> None:
         """Rank 0 only: forms a new broadcast group as its sender (blocks until every member joined)."""
@@ -129,6 +151,9 @@ class EngineHost(_Host):
     def pid(self) -> int:
         return os.getpid()
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "uuids": list(getattr(self.obj, "device_uuids", []))}
+
 
 def is_lost(exc: BaseException) -> bool:
     """The engine is gone: its Ray actor died, or vLLM's engine core died under it (EngineDeadError,
@@ -142,7 +167,8 @@ class RayDisaggregated:
     cfg: Config
     actor: ActorGroup
     hosts: list  # EngineHost per engine
-    pgs: tuple  # (actor pool, rollout pool)
+    pgs: list  # the placement groups (actor pool's first)
+    slots: list  # per engine: (placement group, bundle index) it runs in
     authkey: bytes
     layout: Pools
     fp8: dict[str, str] = field(default_factory=dict)  # weight -> quantized format the engines hold it in
@@ -157,11 +183,11 @@ class RayDisaggregated:
     # ------------------------------------------------------------ engines
 
     def _start_engine(self, i: int):
-        env = {"OMP_NUM_THREADS": "1"}
+        env = {**network_env(), "OMP_NUM_THREADS": "1"}
         opts: dict[str, Any] = dict(num_gpus=self.layout.engine_gpus) if self.layout.engine_gpus else dict(num_cpus=1)
+        pg, index = self.slots[i]
         return EngineHost.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], placement_group_bundle_index=i),
-            **opts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index), **opts,
         ).remote(self.cfg, env, self.authkey)
 
     def _submit(self, i: int, samples, kwargs):
@@ -180,13 +206,17 @@ class RayDisaggregated:
     def _form_group(self, engines: list[int]) -> None:
         """A new broadcast group: actor rank 0 + every worker of ``engines``."""
         workers = ray.get([self.hosts[e].num_workers.remote() for e in engines])
+        ips = ray.get([self.hosts[e].node_ip.remote() for e in engines])
         rank0 = self.actor.ranks[0]
         from colocate_rl.weight_sync.broadcast import backend_for
 
+        # The group's store is served by actor rank 0, on its node: its address, a port free there.
+        members = [self.actor.names[0]] + [f"engine {e} worker {w} on {ip}"
+                                           for e, n, ip in zip(engines, workers, ips) for w in range(n)]
         spec = dict(name=f"weights-{secrets.token_hex(3)}", master_addr=ray.get(rank0.node_ip.remote()),
                     master_port=ray.get(rank0.free_port.remote()), world_size=1 + sum(workers),
                     backend=backend_for("cuda" if self.layout.engine_gpus else "cpu"),
-                    timeout_s=self.cfg.rollout.sync_timeout_s)
+                    timeout_s=self.cfg.rollout.sync_timeout_s, members=tuple(members))
         with self.actor.lock:
             refs = [rank0.join_broadcast.remote(spec)]
         first = 1
@@ -203,7 +233,7 @@ class RayDisaggregated:
         with self.actor.lock:
             sends = [r.broadcast_weights.remote(bucket_mb, self.fp8) for r in self.actor.ranks]
         recvs = [self.hosts[e].call.remote("receive_weights_broadcast") for e in engines]
-        stats = ray.get(sends)[0]
+        stats = self.actor.get(sends, "the weight broadcast")[0]
         ray.get(recvs)
         return stats
 
@@ -246,6 +276,11 @@ class RayDisaggregated:
     def device_used(self) -> Optional[int]:
         return None  # each pool's GPUs are its own: the plan's per-pool figures are not measured here
 
+    def processes(self) -> dict[str, list[dict[str, Any]]]:
+        """Where every rank and engine runs and what it uses, as each process reports itself."""
+        return {"ranks": ray.get([r.describe.remote() for r in self.actor.ranks]),
+                "engines": ray.get([h.describe.remote() for h in self.hosts])}
+
     def engine_checksums(self, names: list[str]) -> list[dict[str, float]]:
         return ray.get([h.call.remote("checksum", list(names)) for h in self.hosts])
 
@@ -278,37 +313,44 @@ class RayDisaggregated:
             remove_placement_group(pg)
 
 
-def _ready(pg, what: str, bundles: list[dict[str, float]]) -> None:
-    try:
-        ray.get(pg.ready(), timeout=PG_READY_S)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"placement: the {what} pool ({len(bundles)} bundles of {bundles[0]}) did not fit the "
-                           f"Ray cluster in {PG_READY_S:g} s; available: {ray.available_resources()}") from None
+def _place(p: Pools) -> tuple[list, list, list]:
+    """(placement groups, (group, bundle) per actor rank, (group, bundle) per engine). Several nodes:
+    a group per actor node, then one per rollout node, every group on a node of its own."""
+    if p.one_node:
+        pg_actor = placement_group(p.actor, strategy="PACK", name="colocate_rl-actor")
+        pg_rollout = placement_group(p.rollout, strategy="PACK", name="colocate_rl-rollout")
+        wait_ready(pg_actor, "the actor pool", p.actor)
+        wait_ready(pg_rollout, "the rollout pool", p.rollout)
+        return ([pg_actor, pg_rollout], [(pg_actor, i) for i in range(len(p.actor))],
+                [(pg_rollout, i) for i in range(len(p.rollout))])
+    actor = node_groups(p.per_node(p.actor, p.actor_nodes), "actor")
+    rollout = node_groups(p.per_node(p.rollout, p.rollout_nodes), "rollout", avoid=[g.node_id for g in actor])
+    slots = [[(g.pg, i) for g in groups for i in range(n)]
+             for groups, n in ((actor, len(p.actor) // p.actor_nodes), (rollout, len(p.rollout) // p.rollout_nodes))]
+    return [g.pg for g in actor + rollout], slots[0], slots[1]
 
 
 def launch(cfg: Config) -> RayDisaggregated:
     p = pools(cfg)
     start_ray(cfg, num_cpus=int(sum(b.get("CPU", 0) for b in p.actor + p.rollout)) + 1)
-    pg_actor = placement_group(p.actor, strategy="PACK", name="colocate_rl-actor")
-    pg_rollout = placement_group(p.rollout, strategy="PACK", name="colocate_rl-rollout")
-    _ready(pg_actor, "actor", p.actor)
-    _ready(pg_rollout, "rollout", p.rollout)
+    pgs, rank_slots, engine_slots = _place(p)
     authkey = secrets.token_bytes(32)
     world = len(p.actor)
-    master_port, node_ip = _free_port(), ray.util.get_node_ip_address()
     opts: dict[str, Any] = dict(num_gpus=1) if p.engine_gpus else dict(num_cpus=1)
-    ranks = []
-    for rank in range(world):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": node_ip,
-               "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1"}
-        ranks.append(TrainerRank.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg_actor, placement_group_bundle_index=rank), **opts,
-        ).remote(cfg, env, authkey))
-    w = RayDisaggregated(cfg, ActorGroup(ranks), [], (pg_actor, pg_rollout), authkey, p)
-    w.hosts = [w._start_engine(i) for i in range(len(p.rollout))]
+    ranks = [TrainerRank.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **opts,
+    ).remote(authkey) for pg, i in rank_slots]
+    w = RayDisaggregated(cfg, ActorGroup(ranks), [], pgs, engine_slots, authkey, p)
+    w.hosts = [w._start_engine(i) for i in range(len(p.rollout))]  # they start while the ranks build
+    places = ray.get([r.where.remote() for r in ranks])
+    w.actor.names = rank_names(places)
+    # torch.distributed's rendezvous on rank 0's node: its address and a port free there.
+    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].free_port.remote()))}
+    net = network_env()
+    w.actor.get([r.start.remote(cfg, {**net, **master, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                                      "OMP_NUM_THREADS": "1"}) for rank, r in enumerate(ranks)], "start")
     w.pids = ray.get([h.pid.remote() for h in w.hosts])
     shapes = ray.get(w.hosts[0].call.remote("weight_shapes"))
-    ray.get([r.node_ip.remote() for r in ranks])  # every rank built
     from colocate_rl.weight_sync.quantize import sync_plan
 
     w.fp8 = sync_plan(shapes)

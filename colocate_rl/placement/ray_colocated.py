@@ -1,16 +1,22 @@
 """Colocated on Ray: one placement-group bundle per GPU, shared by an actor rank and an engine worker.
 
-Each actor rank is a Ray actor holding a fractional GPU share of its bundle. The node's GPUs are
-split into engines of rollout.tensor_parallel_size GPUs (config.layout: one engine per TP group);
-engine e is a Ray actor on the bundle of its first GPU whose workers span its GPUs (vLLM's own
-executor starts them). Ray is told not to set visible devices: actor ranks see every GPU of the node
-and pick theirs by index; engine e sees its own GPUs. The actor rank and the engine worker on one
-GPU see the same device, and the same UUID, which keys the weight-sync messages.
+On every node (placement.nnodes of them) a placement group of its own holds one bundle per GPU
+(placement/nodes.py: STRICT_PACK, each group on a distinct node), and each bundle an actor rank
+holding half of it. Each node's GPUs are split into engines of rollout.tensor_parallel_size GPUs
+(config.layout: one engine per TP group, ``nnodes * gpus_per_node // tp`` in all); engine e is a
+Ray actor on the bundle of its first GPU whose workers span its GPUs (vLLM's own executor starts
+them). Ray is told not to set visible devices: the actor ranks of a node see the node's GPUs of the
+run (the ones Ray assigned to its bundles) and pick theirs by LOCAL_RANK, their index on the node;
+engine e sees its own GPUs. The actor rank and the engine worker on one GPU see the same device,
+and the same UUID, which keys the weight-sync messages. The actor's torch.distributed rendezvous is
+on rank 0's node (MASTER_ADDR is that node's address, not the driver's). On CPU each node's group
+holds the node's actor ranks and its one engine.
 
-Weight sync: every rank packs the same bucket sequence for its own GPU (full HF tensors, gathered
-over TP/EP/PP), the driver merges the ranks' messages ({uuid: payload}) and hands the merged
-message to every engine, whose workers each take their own entry. A step's prompts are spread
-over the engines by the router (rollout/router.py), each prompt's group on one engine.
+Weight sync, node by node: every rank packs the same bucket sequence for its own GPU (full HF
+tensors, gathered over TP/EP/PP), the driver merges the messages ({uuid: payload}) of each node's
+ranks and hands each node's merged message to that node's engines only, whose workers each take
+their own entry: IPC handles never leave their node. A step's prompts are spread over the engines
+of every node by the router (rollout/router.py), each prompt's group on one engine.
 """
 
 
@@ -25,12 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colocate_rl import platform
-from colocate_rl.config import Config, ConfigError, cache_dir, layout
+from colocate_rl.config import Config, cache_dir, layout
 from colocate_rl.handoff import ColocatedHandoff
+from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
 from colocate_rl.placement.ray_auth import authenticate
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
@@ -92,11 +99,30 @@ class _Host:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def where(self) -> dict[str, Any]:
+        """Node, process and the GPUs Ray assigned, as this process sees them."""
+        return where()
+
+    def free_port(self) -> int:
+        return _free_port()
+
+    def describe(self) -> dict[str, Any]:
+        """Where this process runs and what it uses, read from inside it (tests assert placement)."""
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+                "HIP_VISIBLE_DEVICES")
+        return {**where(), "env": {k: os.environ[k] for k in keys if k in os.environ}, "network": network_env()}
+
 
 @ray.remote
 class ActorRank(_Host):
-    def __init__(self, cfg: Config, env: dict[str, str], authkey: bytes):
-        super().__init__(env, authkey)
+    """Started in two calls: placed first (``where`` says on which node and GPU), then built with the
+    environment that follows from every rank's place (``start``)."""
+
+    def __init__(self, authkey: bytes):
+        super().__init__({}, authkey)
+
+    def start(self, cfg: Config, env: dict[str, str]) -> None:
+        os.environ.update(env)  # before torch.distributed, NCCL or CUDA start
         from colocate_rl.trainer import Actor
 
         self.obj = Actor(cfg)
@@ -106,6 +132,15 @@ class ActorRank(_Host):
         from colocate_rl.weight_sync.ipc import device_uuid
 
         return device_uuid(platform.device())
+
+    def describe(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        out = super().describe()
+        out.update(device=str(platform.device()), uuid=self.device_uuid(),
+                   dist_rank=dist.get_rank() if dist.is_initialized() else None,
+                   dist_world=dist.get_world_size() if dist.is_initialized() else None)
+        return out
 
     def device_used(self) -> Optional[int]:
         import torch
@@ -147,29 +182,45 @@ class RolloutHost(_Host):
     def pid(self) -> int:
         return os.getpid()
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "uuids": list(getattr(self.obj, "device_uuids", []))}
+
 
 class ActorGroup:
     """The actor ranks as one object with trainer.Actor's methods: each call runs on every rank
     (they are collective) and returns rank 0's result. Calls are submitted to every rank under one
     lock, so calls from two threads (the loop, and a disaggregated engine's re-sync) reach all ranks
-    in the same order: their collectives cannot interleave."""
+    in the same order: their collectives cannot interleave. A rank that dies (its process, or its
+    node) ends the call at once with ProcessLost naming the rank and its node: the other ranks may
+    be waiting for it in a collective."""
 
-    def __init__(self, ranks: list):
+    def __init__(self, ranks: list, names: Optional[list[str]] = None):
         self.ranks = ranks
+        self.names = names or [f"actor rank {i} of {len(ranks)}" for i in range(len(ranks))]
         self.lock = threading.Lock()
 
     def submit(self, method: str, *args, **kwargs) -> list:
         with self.lock:
             return [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
 
+    def get(self, refs: list, what: str) -> list:
+        """Every rank's result of one call (``refs``, one per rank, in rank order)."""
+        return gather(refs, self.names, what, self.ranks)
+
     def all(self, method: str, *args, **kwargs) -> list:
         """trainer.Actor.<method> on every rank; every rank's result."""
-        return ray.get(self.submit("call", method, *args, **kwargs))
+        return self.get(self.submit("call", method, *args, **kwargs), method)
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
             raise AttributeError(method)
         return lambda *args, **kwargs: self.all(method, *args, **kwargs)[0]
+
+
+def rank_names(places: list[dict[str, Any]]) -> list[str]:
+    """'actor rank i of N on <ip> (Ray node <id>)' per rank, from each rank's own ``where``."""
+    return [f"actor rank {i} of {len(places)} on {p['node_ip']} (Ray node {short(p['node_id'])})"
+            for i, p in enumerate(places)]
 
 
 def _engine_error(e: BaseException) -> BaseException:
@@ -214,6 +265,10 @@ class EngineGroup:
     def all(self, method: str, *args) -> list:
         return [_engine_call(r) for r in [h.call.remote(method, *args) for h in self.hosts]]
 
+    def each(self, method: str, args: list[tuple]) -> list:
+        """Engine i's ``method(*args[i])``, every engine at once."""
+        return [_engine_call(r) for r in [h.call.remote(method, *a) for h, a in zip(self.hosts, args)]]
+
     def generate(self, samples, **kwargs):
         if len(self.hosts) == 1:
             return _engine_call(self.hosts[0].call.remote("generate", samples, **kwargs))
@@ -244,24 +299,29 @@ class RayColocated:
     cfg: Config
     actor: ActorGroup
     rollout: EngineGroup
-    pg: Any
-    senders: list[int]  # the first rank on each device (on CPU all ranks share one "device")
+    pgs: list  # one placement group per node
+    node_senders: list[list[int]]  # per node: its ranks that pack a device's entry (the first rank on each device)
+    engine_node: list[int]  # per engine: the node whose merged message it takes
     start_engine: Any  # i -> a new RolloutHost for engine i
     handoff_class = ColocatedHandoff
 
     def sync(self, bucket_mb: float = 256) -> SyncStats:
-        """Bucket by bucket: every rank packs its GPU's entry, one merged message per bucket."""
+        """Bucket by bucket: every rank packs its GPU's entry; each node's entries are merged into
+        one message for that node's engines (no handle crosses a node)."""
         t0, nbytes, n = time.perf_counter(), 0, 0
-        ranks, senders = self.actor.ranks, self.senders
-        ray.get([r.begin_sync.remote(bucket_mb, i in senders) for i, r in enumerate(ranks)])
+        ranks, senders = self.actor.ranks, [i for node in self.node_senders for i in node]
+        self.actor.get([r.begin_sync.remote(bucket_mb, i in senders) for i, r in enumerate(ranks)], "sync")
         self.rollout.all("begin_weight_sync")
+        done = False
         try:
             while True:
-                parts = ray.get([r.next_message.remote() for r in ranks])
+                parts = self.actor.get([r.next_message.remote() for r in ranks], "sync")
                 if parts[senders[0]] is None:
                     break
-                self.rollout.all("load_message", merge_messages(parts[i][0] for i in senders))
+                merged = node_messages(parts, self.node_senders)
+                self.rollout.each("load_message", [(merged[k],) for k in self.engine_node])
                 nbytes, n = nbytes + parts[senders[0]][1], n + 1
+            done = True
         except BaseException:
             try:
                 self.rollout.all("abort_weight_sync")
@@ -269,7 +329,12 @@ class RayColocated:
                 pass
             raise
         finally:
-            ray.get([r.end_sync.remote() for r in ranks])
+            try:
+                self.actor.get([r.end_sync.remote() for r in ranks], "sync")
+            except ProcessLost:
+                if done:
+                    raise
+                # else the error that ended the sync is the one to report
         self.rollout.all("end_weight_sync")
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0, buckets=n)
 
@@ -309,11 +374,35 @@ class RayColocated:
     def device_used(self) -> Optional[int]:
         return ray.get(self.actor.ranks[0].device_used.remote())
 
+    def processes(self) -> dict[str, list[dict[str, Any]]]:
+        """Where every rank and engine runs and what it uses, as each process reports itself."""
+        return {"ranks": ray.get([r.describe.remote() for r in self.actor.ranks]),
+                "engines": ray.get([h.describe.remote() for h in self.rollout.hosts])}
+
     def shutdown(self) -> None:
         self.rollout.shutdown()  # before ray.shutdown(), else vLLM leaves a /dev/shm segment behind
         for r in self.actor.ranks:
             ray.kill(r)
-        remove_placement_group(self.pg)
+        for pg in self.pgs:
+            remove_placement_group(pg)
+
+
+def node_messages(parts: list, node_senders: list[list[int]]) -> list[dict]:
+    """parts[i] = rank i's (message or None, bytes) of one bucket → one merged message per node,
+    of that node's senders' entries only."""
+    return [merge_messages(parts[i][0] for i in senders) for senders in node_senders]
+
+
+def senders_by_node(uuids: list[str], node_of: list[int], nnodes: int) -> list[list[int]]:
+    """Per node, the first rank on each of its devices (on CPU all ranks of a node share one
+    "device", so one rank per node sends)."""
+    out: list[list[int]] = [[] for _ in range(nnodes)]
+    seen: set[tuple[int, str]] = set()
+    for i, (u, k) in enumerate(zip(uuids, node_of)):
+        if (k, u) not in seen:
+            seen.add((k, u))
+            out[k].append(i)
+    return out
 
 
 def bundles_and_share(world: int, gpu: bool) -> tuple[list[dict], dict]:
@@ -327,38 +416,42 @@ def bundles_and_share(world: int, gpu: bool) -> tuple[list[dict], dict]:
 
 def launch(cfg: Config) -> RayColocated:
     lay = layout(cfg)
-    if lay.nnodes > 1:
-        # One engine group per node and a rank-0 rendezvous across nodes are not wired yet.
-        raise ConfigError("placement.mode=colocated runs on one node for now (placement.nnodes=1)")
     start_ray(cfg)
-    world, gpu = lay.actor_gpus, lay.on_gpu
-    bundles, share = bundles_and_share(world, gpu)
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
+    gpu, rpn, epn, tp = lay.on_gpu, lay.ranks_per_node, lay.engines_per_node, lay.engine_tp
+    bundles, share = bundles_and_share(rpn, gpu)
+    groups = node_groups([bundles] * lay.nnodes, "colocated")
     authkey = secrets.token_bytes(32)
-    master_port = _free_port()
-    node_ip = ray.util.get_node_ip_address()
-    gpn = lay.gpus_per_node
-    visible = platform.visible_devices_env(list(range(gpn))) if gpu else {}
 
-    ranks = []
-    for rank in range(world):
-        env = {**visible, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % max(gpn, 1)),
-               "MASTER_ADDR": node_ip, "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1"}
-        ranks.append(ActorRank.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank), **share,
-        ).remote(cfg, env, authkey))
+    def bundle(k: int, i: int) -> dict[str, Any]:
+        return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(groups[k].pg, placement_group_bundle_index=i),
+                    **share)
 
-    def start_engine(i: int):
-        first = i * lay.engine_tp  # engine i's GPUs: its own TP group of the node
-        env = platform.visible_devices_env(list(range(first, first + lay.engine_tp))) if gpu else {}
-        return RolloutHost.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first if gpu else 0),
-            **share,
-        ).remote(cfg, {**env, "OMP_NUM_THREADS": "1"}, authkey)
+    # Placed first, built second: a rank's environment depends on where rank 0 and its node's GPUs are.
+    ranks = [ActorRank.options(**bundle(k, i)).remote(authkey) for k in range(lay.nnodes) for i in range(rpn)]
+    places = ray.get([r.where.remote() for r in ranks])
+    names = rank_names(places)
+    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].free_port.remote()))}
+    # Each node's GPUs of the run, in bundle order: rank k*rpn+i uses the node's i-th (LOCAL_RANK i).
+    node_gpus = [[places[k * rpn + i]["gpu_ids"][0] for i in range(rpn)] if gpu else [] for k in range(lay.nnodes)]
+    net = network_env()
+    started = []
+    for rank, r in enumerate(ranks):
+        k, i = divmod(rank, rpn)
+        env = {**(platform.visible_devices_env(node_gpus[k]) if gpu else {}), **net, **master, "RANK": str(rank),
+               "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(i), "OMP_NUM_THREADS": "1"}
+        started.append(r.start.remote(cfg, env))
 
-    engines = EngineGroup([start_engine(i) for i in range(lay.engines if gpu else 1)],
-                          cfg.rollout.max_response_tokens, cfg.rollout.n)
-    uuids = ray.get([r.device_uuid.remote() for r in ranks])
-    senders = [i for i, u in enumerate(uuids) if u not in uuids[:i]]
-    return RayColocated(cfg, ActorGroup(ranks), engines, pg, senders, start_engine)
+    def start_engine(e: int):
+        k, j = divmod(e, epn)  # engine j of node k: that node's j-th TP group of GPUs
+        env = platform.visible_devices_env(node_gpus[k][j * tp:(j + 1) * tp]) if gpu else {}
+        env.update(net, OMP_NUM_THREADS="1")
+        return RolloutHost.options(**bundle(k, j * tp if gpu else 0)).remote(cfg, env, authkey)
+
+    engines = EngineGroup([start_engine(e) for e in range(lay.engines)], cfg.rollout.max_response_tokens,
+                          cfg.rollout.n)
+    group = ActorGroup(ranks, names)
+    group.get(started, "start")
+    uuids = group.get([r.device_uuid.remote() for r in ranks], "start")
+    node_senders = senders_by_node(uuids, [rank // rpn for rank in range(len(ranks))], lay.nnodes)
+    return RayColocated(cfg, group, engines, [g.pg for g in groups], node_senders,
+                        [e // epn for e in range(lay.engines)], start_engine)

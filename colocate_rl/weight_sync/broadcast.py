@@ -11,7 +11,10 @@ header bytes, payload bytes; [0, 0] ends the sync), the pickled metas (uint8), t
 as bytes (any dtype travels as its uint8 view, FP8 included: NCCL has no FP8 type everywhere).
 Pipelined: the sender packs bucket k+1 while bucket k is on the wire; a receiver loads bucket k
 while bucket k+1 is on the wire. Every wait has a timeout and a hang raises ``BroadcastTimeout``
-naming the group, the rank and the bucket.
+naming the group, the rank that waited, the bucket, and the ranks that are silent: each member
+notes in the group's store that it joined and which bucket it has reached (one small write per
+bucket), so the one that times out can read who never got there (``GroupSpec.members`` says
+what each rank is, e.g. "engine 1 worker 0 on 10.0.0.3").
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class GroupSpec:
     world_size: int  # 1 sender + every engine worker
     backend: str  # gloo | nccl (RCCL on ROCm)
     timeout_s: float = 600.0
+    members: tuple[str, ...] = ()  # what each rank is, for messages ("" / absent: "rank i")
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -60,9 +64,17 @@ class BroadcastGroup:
             raise ValueError(f"weight broadcast group '{spec.name}': rank {rank} outside world size {spec.world_size}")
         self.spec, self.rank, self.device = spec, rank, torch.device(device)
         timeout = timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        try:
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=rank == 0,
+                                  timeout=timeout, wait_for_workers=False)
+        except RuntimeError as e:
+            raise BroadcastTimeout(f"{self._who()}: cannot reach the group's store at {spec.master_addr}:"
+                                   f"{spec.master_port}, served by {self._name(0)} "
+                                   f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
         self._store = store  # rank 0 serves the store: keep it alive as long as the group
+        self._marks = dist.PrefixStore(f"colocate_rl-progress/{spec.name}", store)
+        self._syncs = 0  # syncs this member has started in this group (every member takes part in each)
+        self._mark(-1)
         prefixed = dist.PrefixStore(f"colocate_rl/{spec.name}", store)
         try:
             if spec.backend == "gloo":
@@ -75,7 +87,8 @@ class BroadcastGroup:
             else:
                 raise ValueError(f"weight broadcast group '{spec.name}': backend {spec.backend!r} is not gloo or nccl")
         except RuntimeError as e:
-            raise BroadcastTimeout(f"{self._who()}: could not form the group ({str(e).splitlines()[0]})") from e
+            raise BroadcastTimeout(f"{self._who()}: could not form the group ({str(e).splitlines()[0]})"
+                                   f"{self._silent(-1)}") from e
         if spec.backend == "nccl":
             # NCCL creates its communicator inside the first collective call, blocking the host
             # until every member arrives; do it now, while every member is forming the group, so a
@@ -86,31 +99,60 @@ class BroadcastGroup:
     def _who(self) -> str:
         return f"weight broadcast group '{self.spec.name}' rank {self.rank} of {self.spec.world_size}"
 
+    def _name(self, rank: int) -> str:
+        m = self.spec.members
+        return f"rank {rank} ({m[rank]})" if rank < len(m) and m[rank] else f"rank {rank}"
+
+    def _mark(self, bucket: int) -> None:
+        """Notes in the store that this rank has reached ``bucket`` of the current sync (-1: joined)."""
+        self._marks.set(str(self.rank), f"{self._syncs}:{bucket}")
+
+    def _silent(self, bucket: int) -> str:
+        """'; silent: <the ranks that have not reached bucket of the current sync>' read from the
+        store, or why it cannot be read; '' when every rank got there (the wait failed otherwise)."""
+        here = (self._syncs, bucket)
+        try:
+            behind = []
+            for r in range(self.spec.world_size):
+                key = str(r)
+                mark = self._marks.get(key).decode() if self._marks.check([key]) else None
+                at = tuple(int(x) for x in mark.split(":")) if mark else None
+                if at is None or at < here:
+                    where = ("never joined" if at is None else "joined, never started this sync" if at[1] < 0 or
+                             at[0] < here[0] else f"at bucket {at[1]}")
+                    behind.append(f"{self._name(r)} {where}")
+        except (RuntimeError, ValueError) as e:
+            return (f"; the group's store, served by {self._name(0)}, does not answer "
+                    f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
+        return f"; silent: {', '.join(behind)}" if behind else ""
+
     def _start(self, t: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         return self.pg.broadcast([t], opts)
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, bucket: int | None = None) -> None:
         """Waits for ``work`` on the host, at most spec.timeout_s. Polled rather than left to the
         backend: NCCL's own timeout is enforced by its watchdog, which tears the process down
         (TORCH_NCCL_ASYNC_ERROR_HANDLING) instead of raising here, so NCCL's timeout is set longer
-        and this one fires first."""
+        and this one fires first. ``bucket``: the one this wait belongs to (names the silent ranks)."""
         deadline = time.monotonic() + self.spec.timeout_s
+        silent = (lambda: self._silent(bucket)) if bucket is not None else (lambda: "")
         try:
             while not work.is_completed():
                 if time.monotonic() > deadline:
                     raise BroadcastTimeout(f"{self._who()}: {what} did not complete within {self.spec.timeout_s:g} s "
-                                           "(a peer died or stopped taking part)")
+                                           f"(a peer died or stopped taking part){silent()}")
                 time.sleep(POLL_S)
             work.wait()
         except RuntimeError as e:  # the backend gave up first (a peer's connection closed, ...)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BroadcastTimeout(f"{self._who()}: {what} failed: {first}") from e
+            raise BroadcastTimeout(f"{self._who()}: {what} failed: {first}{silent()}") from e
 
-    def _sizes(self, header: int, payload: int, what: str) -> tuple[int, int]:
+    def _sizes(self, header: int, payload: int, what: str, bucket: int) -> tuple[int, int]:
+        self._mark(bucket)
         t = torch.tensor([header, payload], dtype=torch.int64, device=self.device)
-        self._wait(self._start(t), f"the sizes of {what}")
+        self._wait(self._start(t), f"the sizes of {what}", bucket)
         return int(t[0]), int(t[1])
 
     # ------------------------------------------------------------------ sender
@@ -121,21 +163,22 @@ class BroadcastGroup:
         if self.rank != 0:
             raise RuntimeError(f"{self._who()}: only rank 0 sends")
         stats, t0 = SyncStats(), time.perf_counter()
+        self._syncs += 1
         in_flight: tuple[dist.Work, Bucket, int] | None = None
         for i, bucket in enumerate(buckets):
             header = pickle.dumps(bucket.metas)
-            self._sizes(len(header), bucket.nbytes, f"bucket {i}")
+            self._sizes(len(header), bucket.nbytes, f"bucket {i}", i)
             h = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-            self._wait(self._start(h), f"the header of bucket {i}")
+            self._wait(self._start(h), f"the header of bucket {i}", i)
             work = self._start(bucket.flat.view(torch.uint8))
             if in_flight is not None:
-                self._wait(in_flight[0], f"bucket {in_flight[2]}")
+                self._wait(in_flight[0], f"bucket {in_flight[2]}", in_flight[2])
             in_flight = (work, bucket, i)
             stats.bytes += bucket.nbytes
             stats.buckets += 1
         if in_flight is not None:
-            self._wait(in_flight[0], f"bucket {in_flight[2]}")
-        self._sizes(0, 0, "the end marker")
+            self._wait(in_flight[0], f"bucket {in_flight[2]}", in_flight[2])
+        self._sizes(0, 0, "the end marker", stats.buckets)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.seconds = time.perf_counter() - t0
@@ -144,11 +187,11 @@ class BroadcastGroup:
     # ------------------------------------------------------------------ receivers
 
     def _next(self, i: int) -> tuple[list[TensorMeta], torch.Tensor, dist.Work] | None:
-        header_len, payload = self._sizes(0, 0, f"bucket {i}")
+        header_len, payload = self._sizes(0, 0, f"bucket {i}", i)
         if header_len == 0:
             return None
         h = torch.empty(header_len, dtype=torch.uint8, device=self.device)
-        self._wait(self._start(h), f"the header of bucket {i}")
+        self._wait(self._start(h), f"the header of bucket {i}", i)
         metas: list[TensorMeta] = pickle.loads(h.cpu().numpy().tobytes())
         raw = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return metas, raw, self._start(raw)
@@ -159,10 +202,11 @@ class BroadcastGroup:
         if self.rank == 0:
             raise RuntimeError(f"{self._who()}: rank 0 sends, it does not receive")
         stats, t0, i = SyncStats(), time.perf_counter(), 0
+        self._syncs += 1
         nxt = self._next(0)
         while nxt is not None:
             metas, raw, work = nxt
-            self._wait(work, f"bucket {i}")
+            self._wait(work, f"bucket {i}", i)
             nxt = self._next(i + 1)  # starts the next transfer before this bucket is loaded
             flat = raw.view(metas[0].dtype)
             load(unpack(Bucket(flat, metas)))

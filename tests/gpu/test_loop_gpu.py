@@ -67,7 +67,10 @@ def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
     s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small"), gpus=2,
                               **{"actor.tp": "2", "rollout.tensor_parallel_size": "2"}))
     try:
-        assert len(s.workers.senders) == 2, "one sender per GPU UUID"
+        assert s.workers.node_senders == [[0, 1]], "one sender per GPU UUID"
+        procs = s.workers.processes()  # read from inside each process
+        ranks, engine = procs["ranks"], procs["engines"][0]
+        assert [r["env"]["LOCAL_RANK"] for r in ranks] == ["0", "1"] and engine["uuids"] == [r["uuid"] for r in ranks]
         for step in range(2):
             m = loop.step(s)
             s.step = step + 1

@@ -1,6 +1,7 @@
 """The weight broadcast group on CPU (gloo): two members in two threads of this process, real
 process groups over localhost. Round trip in the IPC bucket format (FP8 included), pipelining
-across several buckets, and a hang that times out naming the group and the rank."""
+across several buckets, and a hang that times out naming the group, the rank that waited and the
+ranks that are silent."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def _spec(name: str, timeout_s: float = 30.0, world: int = 2) -> GroupSpec:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return GroupSpec(name, "127.0.0.1", port, world, "gloo", timeout_s)
+    members = ("actor rank 0 on 10.0.0.1", "engine 0 worker 0 on 10.0.0.3") if world == 2 else ()
+    return GroupSpec(name, "127.0.0.1", port, world, "gloo", timeout_s, members)
 
 
 def _in_thread(fn):
@@ -78,16 +80,63 @@ def test_hung_broadcast_times_out_naming_group_and_rank():
     th, _ = _in_thread(silent_member)
     sender = BroadcastGroup(spec, 0)
     assert joined.wait(30)
-    # Whichever notices first, the host-side wait or gloo's own timeout, names the group and rank.
+    # Whichever notices first, the host-side wait or gloo's own timeout, names the group and rank,
+    # and the member that never took part (read from the group's store).
     with pytest.raises(BroadcastTimeout, match=r"group 'hang-test' rank 0 of 2: the sizes of bucket 0 (did not "
-                                               r"complete within 2 s|failed: .*[Tt]imed out)"):
+                                               r"complete within 2 s|failed: .*[Tt]imed out).*; silent: rank 1 "
+                                               r"\(engine 0 worker 0 on 10.0.0.3\) joined, never started this sync$"):
         sender.send(pack([("w", torch.ones(8))], bucket_mb=1))
     sender.close()
+
+
+def test_timeout_names_the_member_that_stopped_mid_sync():
+    """A member that took part in the first buckets and then stops is named with the bucket it
+    reached; a member that finished the previous sync but not this one is told apart."""
+    spec = _spec("stall", timeout_s=2.0, world=3)
+    got_two, release = threading.Event(), threading.Event()
+
+    def stalls_after_two_buckets():
+        group = BroadcastGroup(spec, 1)
+        seen = []
+
+        def load(views):
+            seen.append(1)
+            if len(seen) == 2:
+                got_two.set()
+                release.wait(30)  # stops taking part while bucket 2 is on the wire
+
+        try:
+            group.receive(load)
+        except BroadcastTimeout:
+            pass
+        finally:
+            group.close()
+
+    def keeps_up():
+        group = BroadcastGroup(spec, 2)
+        try:
+            group.receive(lambda views: None)
+        except BroadcastTimeout:
+            pass
+        finally:
+            group.close()
+
+    threads = [_in_thread(stalls_after_two_buckets)[0], _in_thread(keeps_up)[0]]
+    sender = BroadcastGroup(spec, 0)
+    named = [(f"w{i}", torch.ones(64 * 1024)) for i in range(6)]  # 256 KiB each: one bucket each
+    with pytest.raises(BroadcastTimeout, match=r"rank 0 of 3: .*bucket [34].*; silent: rank 1 at bucket [23]$"):
+        sender.send(pack(named, bucket_mb=0.25))
+    release.set()
+    assert got_two.is_set()
+    sender.close()
+    for th in threads:
+        th.join(15)
 
 
 def test_missing_member_fails_to_form_in_time():
     spec = _spec("lonely", timeout_s=1.5, world=3)
     th, out = _in_thread(lambda: BroadcastGroup(spec, 1))
-    with pytest.raises(BroadcastTimeout, match=r"group 'lonely' rank 0 of 3: could not form the group"):
+    with pytest.raises(BroadcastTimeout, match=r"group 'lonely' rank 0 of 3: could not form the group .*; "
+                                               r"silent: rank 2 never joined$"):
         BroadcastGroup(spec, 0)
     th.join(10)
