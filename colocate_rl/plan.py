@@ -43,11 +43,15 @@ class RunPlan:
             lines.append(f"layout: disaggregated{nodes}, {lay.actor_gpus} actor rank(s) (tp {lay.tp} x pp {lay.pp} x "
                          f"dp {lay.dp}, ep {lay.ep}); {lay.engines} engine(s) of tp {lay.engine_tp} on their own GPUs")
         if self.size:
-            lines.append(f"model: {self.size.total / 1e9:.2f}B parameters ({self.size.experts / 1e9:.2f}B in routed "
+            lines.append(f"model: {_count(self.size.total)} parameters ({_count(self.size.experts)} in routed "
                          f"experts), {self.size.layers} layers")
         lines.append(self.memory.table())
         lines += [f"does not fit: {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 # Names a config field resolves through a registry: (field, registry listing its choices). Each
