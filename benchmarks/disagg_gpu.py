@@ -92,10 +92,10 @@ def main() -> None:
     over = [f"model.path={path}", "model.dtype=bfloat16", "data.train=arithmetic", "data.apply_chat_template=false",
             "data.max_prompt_tokens=32", f"data.prompts_per_step={args.prompts}", "reward.name=arithmetic",
             f"rollout.n={args.n}", f"rollout.max_response_tokens={args.tokens}", f"steps={2 * args.steps + 10}",
-            f"rollout.gpu_memory_utilization={args.gpu_mem}", f"rollout.sync_bucket_mb={args.bucket_mb}",
+            f"rollout.gpu_memory_utilization={args.gpu_mem}", f"sync.bucket_mb={args.bucket_mb}",
             "actor.lr=1e-6", "actor.micro_batch_size=8", "actor.offload=none",
             "placement.mode=disaggregated", "placement.gpus_per_node=2", "placement.actor_gpus=1",
-            "rollout.num_engines=1", "rollout.verify_sync_every=0", "logging.wandb_mode=disabled",
+            "rollout.num_engines=1", "sync.verify_every=0", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=disagg"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)

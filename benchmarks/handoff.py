@@ -85,7 +85,7 @@ def main() -> None:
     path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
     over = [*loop_overrides(path, root, "handoff", prompts=args.prompts, n=args.n, tokens=args.tokens,
                             micro=args.micro, fp32_residual=args.fp32_residual),
-            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "rollout.verify_sync_every=1",
+            f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "sync.verify_every=1",
             f"actor.offload={args.offload}"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary

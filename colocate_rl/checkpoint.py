@@ -35,9 +35,9 @@ _HASH_LIMIT = 64 << 20  # bytes; larger files are checked by size only (hashing 
 
 # Config fields a resumed run may change: they do not alter what the run computes.
 HARMLESS = ("logging.", "checkpoint.", "eval.", "steps", "placement.launcher", "placement.ray_address",
-            "placement.ray_token_file",
-            "reward.workers", "reward.timeout_s", "rollout.verify_sync_every", "rollout.sync_bucket_mb",
-            "rollout.multiprocess", "rollout.enforce_eager")
+            "placement.ray_token_file", "placement.accelerator", "supervise.", "dry_run",
+            "reward.workers", "reward.timeout_s", "sync.", "actor.optimizer_chunk_mb",
+            "rollout.multiprocess", "rollout.enforce_eager", "rollout.max_engine_restarts")
 
 
 class CheckpointCorrupt(RuntimeError):

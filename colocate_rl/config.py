@@ -47,14 +47,11 @@ class RolloutConfig:
     max_model_len: int = 0  # 0 = data.max_prompt_tokens + max_response_tokens
     enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower decode)
     sleep_level: int = 2  # 2 discards weights (the next sync overwrites them); 1 copies them to host
-    sync_bucket_mb: int = 256  # weight-sync bucket size (one IPC handle per bucket)
-    verify_sync_every: int = 0  # steps; compare checksums of a few tensors, actor vs engine, after a sync
     num_engines: int = 0  # disaggregated mode: engines behind the router; 0 = as many as the rollout GPUs hold
     # Disaggregated mode: generate step k+1 while step k trains (one step stale; the token IS
     # correction, algorithm.is_clamp, weights the stale samples).
     off_policy: bool = False
     custom_fn: str = ""  # disaggregated mode: "pkg.module:function" producing a step's batch (rollout/buffer.py)
-    sync_timeout_s: float = 600.0  # disaggregated mode: a weight broadcast waiting longer than this fails
     # Disaggregated mode: "fp8" = the rollout runs FP8 weights. A block-FP8 checkpoint (DeepSeek
     # format) gets per-block quantized weights on every sync; a bf16 one is quantized by vLLM
     # (quantization="fp8") and re-quantized by its post-load processing after every sync.
@@ -134,6 +131,15 @@ class ActorConfig:
     # instead of in host memory (pinned) between its forward passes; same numbers, no copies, and
     # its bytes stay on the device through the rollout too.
     ref_on_device: bool = False
+
+
+@dataclass
+class SyncConfig:
+    """How the actor's weights reach the engines (weight_sync/)."""
+
+    bucket_mb: int = 256  # bucket size (one IPC handle, or one broadcast, per bucket)
+    verify_every: int = 0  # syncs; compare checksums of the family's verified tensors, actor vs engine
+    timeout_s: float = 600.0  # disaggregated mode: a weight broadcast waiting longer than this fails
 
 
 @dataclass
@@ -275,6 +281,7 @@ class SuperviseConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -609,8 +616,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.actor.optimizer_state_dtype != "float32" and not cfg.actor.optimizer_cpu_offload:
         raise ConfigError("actor.optimizer_state_dtype=bfloat16 needs actor.optimizer_cpu_offload=true "
                           "(megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam)")
-    if cfg.rollout.sync_timeout_s <= 0:
-        raise ConfigError(f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s} must be > 0")
+    if cfg.sync.timeout_s <= 0:
+        raise ConfigError(f"sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     if cfg.rollout.routing_replay and cfg.rollout.backend != "vllm":
         raise ConfigError(f"rollout.routing_replay=true needs rollout.backend=vllm: the {cfg.rollout.backend} "
                           "sampler returns no routed experts")

@@ -99,10 +99,10 @@ class Handoff:
     # ------------------------------------------------------------ shared pieces
 
     def _sync(self) -> SyncStats:
-        """The actor's weights → every engine; verified every rollout.verify_sync_every syncs."""
-        stats = self.workers.sync(self.cfg.rollout.sync_bucket_mb)
+        """The actor's weights → every engine; verified every sync.verify_every syncs."""
+        stats = self.workers.sync(self.cfg.sync.bucket_mb)
         self.syncs += 1
-        every = self.cfg.rollout.verify_sync_every
+        every = self.cfg.sync.verify_every
         if every and self.syncs % every == 0:
             self.workers.verify()  # raises WeightMismatch naming the tensor
         return stats

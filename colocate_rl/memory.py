@@ -207,7 +207,7 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         parts["kv_cache"] = r.kv_cache_memory_mb * 2**20
     else:
         parts["kv_cache"] = max(int(r.gpu_memory_utilization * capacity) - parts["rollout_weights"], 0)
-    parts["sync_buckets"] = int(r.sync_bucket_mb * 2**20 + size.largest * pb)
+    parts["sync_buckets"] = int(cfg.sync.bucket_mb * 2**20 + size.largest * pb)
     # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU).
     # Measured on an H200 (0.6B model): with the actor's 10.0 GiB of state and vLLM asleep, 17.0 GiB
     # were in use: ~1 GiB for the actor's context and ~6 for the sleeping engine (CUDA graphs, cuBLAS

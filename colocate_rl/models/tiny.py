@@ -31,6 +31,22 @@ def _dsv4_tiny() -> dict:
     return official_config()
 
 
+def _dsv4_mini() -> dict:
+    """DeepSeek-V4-Flash's released per-layer width (hidden 4096, 64 heads x 512, q/o LoRA 1024,
+    o-groups 8, indexer 64 x 128 top-512, 128-token windows, 4 mHC streams, noaux_tc routing) with
+    4 layers (a hash-routed window layer, C4, C128, C4) and 16 experts: 3.2B parameters, which one
+    H200 trains with Adam's state on the host."""
+    import json as _json
+
+    from colocate_rl.models.deepseek_v4.synth import FLASH
+
+    cfg = _json.loads(_json.dumps(FLASH))
+    cfg.update(num_hidden_layers=4, n_routed_experts=16, num_hash_layers=1, num_nextn_predict_layers=0,
+               compress_ratios=[0, 4, 128, 4], max_position_embeddings=65536)
+    cfg.pop("quantization_config", None)  # written in the released format by build_model
+    return cfg
+
+
 SHAPES: dict[str, dict] = {
     "qwen3-tiny": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=False, **_COMMON),
     "qwen3-tiny-tied": dict(model_type="qwen3", vocab_size=320, tie_word_embeddings=True, **_COMMON),
@@ -84,7 +100,11 @@ SHAPES: dict[str, dict] = {
     # Official key format (compress_ratios, num_hash_layers, ...), written under the official tensor
     # names: a window-only, a C4 (indexer) and a C128 layer, two hash-routed layers, mHC with 4 streams.
     "deepseek-v4-tiny": _dsv4_tiny(),
+    "deepseek-v4-mini": _dsv4_mini(),
 }
+# Shapes written in the released checkpoint format (FP8 128x128 blocks with ue8m0 scales, MXFP4
+# routed experts), as vLLM's DeepSeek-V4 loads them.
+RELEASED_FORMAT = {"deepseek-v4-mini"}
 
 # Published models whose config is known without the hub: the memory plan of a preset naming a hub
 # id is computed from it (dry_run=true on any machine).
@@ -175,7 +195,7 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
 
         (out / "generation_config.json").write_text(json.dumps(gen))
         spec.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-        return write_model(out, spec, seed=seed, dtype=dtype)
+        return write_model(out, spec, seed=seed, dtype=dtype, quantized=shape in RELEASED_FORMAT)
     config = AutoConfig.for_model(
         spec.pop("model_type"), **spec, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, dtype=dtype,

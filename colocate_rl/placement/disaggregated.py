@@ -216,7 +216,7 @@ class RayDisaggregated:
         spec = dict(name=f"weights-{secrets.token_hex(3)}", master_addr=ray.get(rank0.node_ip.remote()),
                     master_port=ray.get(rank0.free_port.remote()), world_size=1 + sum(workers),
                     backend=backend_for("cuda" if self.layout.engine_gpus else "cpu"),
-                    timeout_s=self.cfg.rollout.sync_timeout_s, members=tuple(members))
+                    timeout_s=self.cfg.sync.timeout_s, members=tuple(members))
         with self.actor.lock:
             refs = [rank0.join_broadcast.remote(spec)]
         first = 1
@@ -229,7 +229,7 @@ class RayDisaggregated:
     def _broadcast(self, engines: list[int], bucket_mb: float | None = None) -> SyncStats:
         if self.members != engines:
             self._form_group(engines)
-        bucket_mb = bucket_mb or self.cfg.rollout.sync_bucket_mb
+        bucket_mb = bucket_mb or self.cfg.sync.bucket_mb
         with self.actor.lock:
             sends = [r.broadcast_weights.remote(bucket_mb, self.fp8) for r in self.actor.ranks]
         recvs = [self.hosts[e].call.remote("receive_weights_broadcast") for e in engines]

@@ -34,7 +34,7 @@ def gpu_cfg(tmp_path, model, gpus: int = 1, **over):
             "rollout.gpu_memory_utilization": "0.3", "rollout.enforce_eager": "true", "sft.steps": "0",
             "eval.every": "0", "checkpoint.at_end": "false",
             "placement.gpus_per_node": str(gpus), "placement.launcher": "local" if gpus == 1 else "ray",
-            "rollout.verify_sync_every": "1", "actor.offload": "all", **over}
+            "sync.verify_every": "1", "actor.offload": "all", **over}
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
 
 
@@ -76,6 +76,6 @@ def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
             s.step = step + 1
             assert m["train_rollout_logprob_abs_diff"] <= 2e-3, m["train_rollout_logprob_abs_diff"]
             assert m["sync/bytes"] > 0
-            # verify_sync_every=1: every rank's checksums were compared with the engine's in the sync
+            # sync.verify_every=1: every rank's checksums were compared with the engine's in the sync
     finally:
         s.close()

@@ -48,7 +48,7 @@ def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, eve
 def session(tmp_path_factory, tiny_model, even_length_reward):
     cfg = tiny_cfg(tmp_path_factory.mktemp("disagg"), tiny_model, **{
         "placement.mode": "disaggregated", "rollout.num_engines": "2", "actor.lr": "1e-3",
-        "reward.name": "test_even_length", "rollout.verify_sync_every": "1", "rollout.sync_bucket_mb": "1",
+        "reward.name": "test_even_length", "sync.verify_every": "1", "sync.bucket_mb": "1",
         "rollout.max_model_len": "160"})
     s = start_session(cfg)
     yield s

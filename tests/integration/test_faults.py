@@ -83,7 +83,7 @@ def test_engine_killed_at_every_phase_is_replaced_and_the_run_goes_on(tmp_path, 
 
     over = {"reward.name": even_length_reward, "actor.lr": "1e-3", "rollout.max_response_tokens": "24",
             "data.max_prompt_tokens": "16", "steps": "6", "eval.every": "3", "eval.sets": "[arithmetic]",
-            "checkpoint.every": "3", "rollout.verify_sync_every": "1", "rollout.max_engine_restarts": "1"}
+            "checkpoint.every": "3", "sync.verify_every": "1", "rollout.max_engine_restarts": "1"}
     loop.run(tiny_cfg(tmp_path / "calm", tiny_model, **over))
     calm = rows_of(tmp_path / "calm" / "t" / "metrics.jsonl")
 

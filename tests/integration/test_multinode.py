@@ -79,7 +79,7 @@ def test_colocated_two_nodes_then_a_node_lost_mid_step_and_the_run_resumes(clust
                                                                            capsys):
     free_nodes(cluster, 2)
     over = {"placement.nnodes": "2", "actor.lr": "1e-3", "reward.name": even_length_reward,
-            "rollout.verify_sync_every": "1", "checkpoint.every": "1", "steps": "2"}
+            "sync.verify_every": "1", "checkpoint.every": "1", "steps": "2"}
     s = start_session(tiny_cfg(tmp_path, tiny_model, **over))
     try:
         w = s.workers
@@ -145,7 +145,7 @@ def test_disaggregated_two_actor_nodes_one_rollout_node(cluster, tmp_path, tiny_
     s = start_session(tiny_cfg(tmp_path, tiny_model, **{
         "placement.mode": "disaggregated", "placement.nnodes": "3", "placement.actor_nodes": "2",
         "placement.rollout_nodes": "1", "actor.lr": "1e-3", "reward.name": even_length_reward,
-        "rollout.verify_sync_every": "1"}))
+        "sync.verify_every": "1"}))
     try:
         w = s.workers
         m = loop.step(s, last=True)  # generate on the rollout node, train on both actor nodes, broadcast

@@ -20,7 +20,7 @@ from test_loop import CYCLE, tiny_cfg  # noqa: E402 - same folder
 def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
     ray = pytest.importorskip("ray")
     cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.launcher": "ray", "actor.dp": "2", "actor.lr": "1e-3",
-                                            "reward.name": "test_even_length", "rollout.verify_sync_every": "1"})
+                                            "reward.name": "test_even_length", "sync.verify_every": "1"})
     s = start_session(cfg)
     try:
         for _ in range(2):
@@ -30,7 +30,7 @@ def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
             assert [h[0] for h in s.handoff.machine.history[start:]] == CYCLE
             assert m["train_rollout_logprob_abs_diff"] <= 1e-4
             assert m["grad_norm"] > 0 and m["sync/bytes"] > 0
-        # verify_sync_every=1 already compared every rank's checksums with the engine's inside each
+        # sync.verify_every=1 already compared every rank's checksums with the engine's inside each
         # step (it raises on a mismatch); check once more by hand that both ranks were compared.
         assert s.workers.verify() >= 3
         assert s.handoff.phase == Phase.ROLLOUT

@@ -82,3 +82,23 @@ def test_a_capability_without_its_field_is_named_in_one_line():
     cfg.preset = "amd-3node"
     line = mod.gaps(cfg)
     assert line == "preset amd-3node needs what colocate_rl does not have yet: warp drive (rollout.warp_drive)"
+
+
+def test_mini_preset_has_the_released_width_and_fits_two_h200s():
+    """preset=mini: the released per-layer sizes with few layers and experts, written in the
+    released format; its plan fits two H200s (actor on one, the FP8 engine on the other)."""
+    from colocate_rl.config import load
+    from colocate_rl.models.tiny import RELEASED_FORMAT, SHAPES
+    from colocate_rl.plan import resolve
+
+    hf = SHAPES["deepseek-v4-mini"]
+    flash = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank",
+                                "index_n_heads", "index_head_dim", "index_topk", "sliding_window", "hc_mult",
+                                "moe_intermediate_size", "vocab_size")}
+    assert flash == {"hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 1024,
+                     "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+                     "sliding_window": 128, "hc_mult": 4, "moe_intermediate_size": 2048, "vocab_size": 129280}
+    assert hf["num_hash_layers"] >= 1 and set(hf["compress_ratios"]) == {0, 4, 128}
+    assert "deepseek-v4-mini" in RELEASED_FORMAT
+    plan = resolve(load(recipe().config("mini"), overrides=["placement.accelerator=h200"]))
+    assert plan.memory.overflow() is None and plan.layout.actor_gpus == 1 and plan.layout.engines == 1
