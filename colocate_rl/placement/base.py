@@ -51,6 +51,17 @@ PLACEMENTS: dict[tuple[str, str], str] = {
 }
 
 
+def immediate_buffer(workers: Workers, handoff: Any):
+    """The colocated placements' buffer: it generates when the step asks, through the handoff (which
+    replaces a dead engine); ``workers.rollout`` is looked up at each call, as a restart replaces it."""
+    from colocate_rl.rollout.buffer import ImmediateBuffer
+
+    def generate(samples, **kw):
+        return handoff.on_rollout("generate", lambda: workers.rollout.generate(samples, **kw))
+
+    return ImmediateBuffer(generate)
+
+
 def launcher(cfg: Config) -> str:
     """local for one colocated process (Ray's start-up would dominate a tiny CPU run), else ray."""
     if cfg.placement.mode != "colocated":

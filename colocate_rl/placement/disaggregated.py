@@ -44,7 +44,7 @@ from colocate_rl import platform
 from colocate_rl.config import Config, layout
 from colocate_rl.handoff import DisaggregatedHandoff
 from colocate_rl.placement.nodes import network_env, node_groups, wait_ready
-from colocate_rl.placement.ray_colocated import ActorGroup, _Host, rank_names, start_ray
+from colocate_rl.placement.ray_colocated import ActorGroup, _Host, rank_names, start_ray, stop_engines
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -301,12 +301,7 @@ class RayDisaggregated:
     def shutdown(self) -> None:
         if self.buffer is not None:
             self.buffer.close()
-        for h in self.hosts:
-            try:
-                ray.get(h.call.remote("shutdown"), timeout=60)  # before ray.shutdown(): vLLM's /dev/shm segment
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
-            ray.kill(h)
+        stop_engines(self.hosts)
         for r in self.actor.ranks:
             ray.kill(r)
         for pg in self.pgs:

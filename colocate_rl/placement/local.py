@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from colocate_rl.config import Config
 from colocate_rl.handoff import ColocatedHandoff, measure_device
+from colocate_rl.placement.base import immediate_buffer
 from colocate_rl.rollout.base import Rollout, make_rollout
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.trainer import Actor
@@ -40,11 +41,7 @@ class LocalColocated:
         pass
 
     def make_buffer(self, handoff: Any) -> ImmediateBuffer:
-        # self.rollout is looked up at each call: a restart replaces it.
-        def generate(samples, **kw):
-            return handoff.on_rollout("generate", lambda: self.rollout.generate(samples, **kw))
-
-        return ImmediateBuffer(generate)
+        return immediate_buffer(self, handoff)
 
     def device_used(self) -> Optional[int]:
         used = measure_device()

@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colocate_rl import platform
 from colocate_rl.config import Config, cache_dir, layout
 from colocate_rl.handoff import ColocatedHandoff
+from colocate_rl.placement.base import immediate_buffer
 from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
 from colocate_rl.placement.ray_auth import authenticate
 from colocate_rl.rollout.buffer import ImmediateBuffer
@@ -223,6 +224,17 @@ def rank_names(places: list[dict[str, Any]]) -> list[str]:
             for i, p in enumerate(places)]
 
 
+def stop_engines(hosts: list) -> None:
+    """Shuts each engine down (before ray.shutdown(): vLLM's /dev/shm segment), then its Ray actor; a
+    dead or hung one is killed after 60 s."""
+    for h in hosts:
+        try:
+            ray.get(h.call.remote("shutdown"), timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+        ray.kill(h)
+
+
 def _engine_error(e: BaseException) -> BaseException:
     """A failed engine call's error as the caller should see it: EngineDied when the engine's Ray
     actor or its vLLM process is gone, the engine's own exception otherwise."""
@@ -286,12 +298,7 @@ class EngineGroup:
         return lambda *args: self.all(method, *args)[0]
 
     def shutdown(self) -> None:
-        for h in self.hosts:
-            try:
-                ray.get(h.call.remote("shutdown"), timeout=60)  # before ray.shutdown(): vLLM's /dev/shm segment
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
-            ray.kill(h)
+        stop_engines(self.hosts)
 
 
 @dataclass
@@ -366,10 +373,7 @@ class RayColocated:
         pass
 
     def make_buffer(self, handoff: Any) -> ImmediateBuffer:
-        def generate(samples, **kw):
-            return handoff.on_rollout("generate", lambda: self.rollout.generate(samples, **kw))
-
-        return ImmediateBuffer(generate)
+        return immediate_buffer(self, handoff)
 
     def device_used(self) -> Optional[int]:
         return ray.get(self.actor.ranks[0].device_used.remote())
