@@ -86,7 +86,7 @@ def test_host_adam_equals_megatron_adam(tiny_model, shape):
 def test_bf16_moments_within_their_rounding(tiny_model):
     """bf16 moments (unit roundoff u = 2^-9) change three steps' update by at most ~4.2 u per
     element (first moment (1 + 0.9 + 0.81) u, second 3 u halved by its square root; see
-    tests/unit/test_host_adam.py); as a norm over the whole update, within 5 u = 1%. And they are
+    tests/unit/test_host_adam_update.py); as a norm over the whole update, within 5 u = 1%. And they are
     really bf16: the difference is not zero."""
     path = tiny_model("qwen3-tiny")
     start = initial(path)
