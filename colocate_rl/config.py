@@ -52,9 +52,10 @@ class RolloutConfig:
     # correction, algorithm.is_clamp, weights the stale samples).
     off_policy: bool = False
     custom_fn: str = ""  # disaggregated mode: "pkg.module:function" producing a step's batch (rollout/buffer.py)
-    # Disaggregated mode: "fp8" = the rollout runs FP8 weights. A block-FP8 checkpoint (DeepSeek
-    # format) gets per-block quantized weights on every sync; a bf16 one is quantized by vLLM
-    # (quantization="fp8") and re-quantized by its post-load processing after every sync.
+    # "fp8" = the rollout runs FP8 weights (GPU). A quantized checkpoint (Qwen/DeepSeek-V3 block FP8,
+    # DeepSeek-V4's released FP8 + MXFP4) gets its weights quantized in its layout by the sender on
+    # every sync (colocated: on the actor's own device, before the IPC hand-over); a bf16 one is
+    # quantized by vLLM (quantization="fp8") and re-quantized by its post-load processing.
     weight_quantization: str = ""
     multiprocess: bool = False  # vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING)
     # Seed every request from (seed, step): a resumed run samples exactly what the uninterrupted one
@@ -605,9 +606,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if pl.launcher == "local" and (lay.actor_gpus != 1 or pl.nnodes > 1 or pl.mode != "colocated"):
         raise ConfigError(f"placement.launcher=local runs one process (a world of one, colocated); this layout "
                           f"needs {lay.actor_gpus} actor ranks: set placement.launcher=auto or ray")
-    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn or cfg.rollout.weight_quantization):
-        raise ConfigError("rollout.off_policy, rollout.custom_fn and rollout.weight_quantization need "
-                          "placement.mode=disaggregated")
+    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn):
+        raise ConfigError("rollout.off_policy and rollout.custom_fn need placement.mode=disaggregated")
     if cfg.rollout.weight_quantization == "fp8" and gpn == 0:
         raise ConfigError("rollout.weight_quantization=fp8 needs GPUs: vLLM's CPU backend runs no FP8 weights")
     if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:

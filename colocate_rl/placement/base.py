@@ -62,6 +62,16 @@ def immediate_buffer(workers: Workers, handoff: Any):
     return ImmediateBuffer(generate)
 
 
+def engine_quantization(rollout: Any) -> dict[str, str]:
+    """{weight: quantized layout} the engine holds (read from its own tensor names and shapes;
+    weight_sync.quantize.sync_plan): what a sync must quantize before sending. {} for an engine
+    that holds everything as it is trained, or one that cannot list its tensors."""
+    from colocate_rl.weight_sync.quantize import sync_plan
+
+    shapes = getattr(rollout, "weight_shapes", None)
+    return sync_plan(shapes()) if shapes else {}
+
+
 def launcher(cfg: Config) -> str:
     """local for one colocated process (Ray's start-up would dominate a tiny CPU run), else ray."""
     if cfg.placement.mode != "colocated":

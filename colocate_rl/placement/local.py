@@ -8,11 +8,12 @@ from typing import Any, Optional
 
 from colocate_rl.config import Config
 from colocate_rl.handoff import ColocatedHandoff, measure_device
-from colocate_rl.placement.base import immediate_buffer
+from colocate_rl.placement.base import engine_quantization, immediate_buffer
 from colocate_rl.rollout.base import Rollout, make_rollout
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.trainer import Actor
 from colocate_rl.weight_sync.ipc import SyncStats
+from colocate_rl.weight_sync.quantize import quantize_named
 from colocate_rl.weight_sync.verify import compare
 
 
@@ -21,10 +22,13 @@ class LocalColocated:
     cfg: Config
     actor: Actor
     rollout: Rollout
+    quantized: dict[str, str]  # weight -> the quantized layout the engine holds it in (weight_sync.quantize)
     handoff_class = ColocatedHandoff
 
     def sync(self, bucket_mb: float = 256) -> SyncStats:
-        return self.rollout.update_weights(self.actor.export_hf_weights(), bucket_mb)
+        """The actor's weights → the engine; those it holds quantized are quantized here, on the
+        actor's device, before they are packed (rollout.weight_quantization=fp8)."""
+        return self.rollout.update_weights(quantize_named(self.actor.export_hf_weights(), self.quantized), bucket_mb)
 
     def verify(self) -> int:
         sums = self.actor.weight_checksums()
@@ -55,4 +59,5 @@ def launch(cfg: Config) -> LocalColocated:
     actor = Actor(cfg)
     # The rollout owns the device first: the actor starts offloaded, the engine profiles free memory.
     actor.offload()
-    return LocalColocated(cfg, actor, make_rollout(cfg))
+    rollout = make_rollout(cfg)
+    return LocalColocated(cfg, actor, rollout, engine_quantization(rollout))

@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colocate_rl import platform
 from colocate_rl.config import Config, cache_dir, layout
 from colocate_rl.handoff import ColocatedHandoff
-from colocate_rl.placement.base import immediate_buffer
+from colocate_rl.placement.base import engine_quantization, immediate_buffer
 from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
 from colocate_rl.placement.ray_auth import authenticate
 from colocate_rl.rollout.buffer import ImmediateBuffer
@@ -151,14 +151,17 @@ class ActorRank(_Host):
         free, total = torch.cuda.mem_get_info()
         return total - free
 
-    def begin_sync(self, bucket_mb: float, send: bool) -> None:
+    def begin_sync(self, bucket_mb: float, send: bool, quantized: dict[str, str]) -> None:
         """``send``: this rank serves the engine worker on its device. Every rank walks the export
-        (its gathers over TP/EP/PP are collective), only the senders make messages."""
+        (its gathers over TP/EP/PP are collective), only the senders make messages; they quantize,
+        on their device, the weights the engines hold quantized."""
         from colocate_rl.weight_sync.ipc import IpcSender
+        from colocate_rl.weight_sync.quantize import quantize_named
 
         self.sender = IpcSender(platform.device()) if send else None
         weights = self.obj.export_hf_weights()
-        self.buckets = self.sender.buckets(weights, bucket_mb) if send else ((n, t.numel()) for n, t in weights)
+        self.buckets = (self.sender.buckets(quantize_named(weights, quantized), bucket_mb) if send
+                        else ((n, t.numel()) for n, t in weights))
 
     def next_message(self):
         """(message or None for a non-sender, bytes) of the next bucket; None when done."""
@@ -310,6 +313,7 @@ class RayColocated:
     node_senders: list[list[int]]  # per node: its ranks that pack a device's entry (the first rank on each device)
     engine_node: list[int]  # per engine: the node whose merged message it takes
     start_engine: Any  # i -> a new RolloutHost for engine i
+    quantized: dict[str, str]  # weight -> the quantized layout the engines hold it in
     handoff_class = ColocatedHandoff
 
     def sync(self, bucket_mb: float = 256) -> SyncStats:
@@ -317,7 +321,8 @@ class RayColocated:
         one message for that node's engines (no handle crosses a node)."""
         t0, nbytes, n = time.perf_counter(), 0, 0
         ranks, senders = self.actor.ranks, [i for node in self.node_senders for i in node]
-        self.actor.get([r.begin_sync.remote(bucket_mb, i in senders) for i, r in enumerate(ranks)], "sync")
+        self.actor.get([r.begin_sync.remote(bucket_mb, i in senders, self.quantized) for i, r in enumerate(ranks)],
+                       "sync")
         self.rollout.all("begin_weight_sync")
         done = False
         try:
@@ -458,4 +463,4 @@ def launch(cfg: Config) -> RayColocated:
     uuids = group.get([r.device_uuid.remote() for r in ranks], "start")
     node_senders = senders_by_node(uuids, [rank // rpn for rank in range(len(ranks))], lay.nnodes)
     return RayColocated(cfg, group, engines, [g.pg for g in groups], node_senders,
-                        [e // epn for e in range(lay.engines)], start_engine)
+                        [e // epn for e in range(lay.engines)], start_engine, engine_quantization(engines))

@@ -70,11 +70,12 @@ def test_off_policy_and_custom_fn_checks():
     assert cfg("placement.gpus_per_node=0", "rollout.off_policy=true").rollout.off_policy
 
 
-def test_fp8_rollout_needs_gpus_and_the_disaggregated_mode():
+def test_fp8_rollout_needs_gpus_in_either_mode():
     with pytest.raises(ConfigError, match="vLLM's CPU backend runs no FP8 weights"):
         cfg("placement.gpus_per_node=0", "rollout.weight_quantization=fp8")
-    with pytest.raises(ConfigError, match="rollout.weight_quantization need placement.mode=disaggregated"):
-        load(Config(model=ModelConfig(path="m")), overrides=["rollout.weight_quantization=fp8"])
+    colocated = load(Config(model=ModelConfig(path="m")), overrides=["placement.gpus_per_node=1",
+                                                                     "rollout.weight_quantization=fp8"])
+    assert colocated.rollout.weight_quantization == "fp8" and colocated.placement.mode == "colocated"
     with pytest.raises(ConfigError, match="rollout.weight_quantization='int4' is not one of"):
         cfg("placement.gpus_per_node=0", "rollout.weight_quantization=int4")
     c = cfg("placement.gpus_per_node=8", "placement.actor_gpus=4", "rollout.tensor_parallel_size=4",
