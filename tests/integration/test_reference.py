@@ -173,11 +173,16 @@ def test_reference_of_other_families(tiny_model, tmp_path, shape):
     batch, lp0 = start(actor)
     kl = [actor.train_step(batch)["kl_ref"] for _ in range(2)]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0.01, kl
-    assert torch.equal(actor.compute_ref_logprobs(batch), lp0) and actor.reference.device_bytes() == 0
+    # The reference holds the starting weights bit for bit, but its parameters are storages of their
+    # own while the policy's are views into Megatron's flat buffers: CPU GEMMs may pick other kernels
+    # for other alignments (DeepSeek-V4's logprobs then differ by ~1e-6), so compare to 1e-5.
+    assert_close = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # noqa: E731
+    assert_close(actor.compute_ref_logprobs(batch), lp0)
+    assert actor.reference.device_bytes() == 0
     actor.save_checkpoint(str(tmp_path / "ckpt"))
     resumed = make_actor(path, 0.5, micro_batch_size=2)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
-    assert torch.equal(resumed.compute_ref_logprobs(batch), lp0)
+    assert_close(resumed.compute_ref_logprobs(batch), lp0)
 
 
 def reference_at_tp2_and_pp2(path: str, ckpt: str) -> dict[str, torch.Tensor]:
