@@ -162,13 +162,14 @@ class ColocatedHandoff(Handoff):
         self.machine.to(Phase.ACTOR)
 
     def to_rollout(self, t: Optional[PhaseTimer] = None, changed: bool = True) -> SyncStats:
-        # Always a sync, ``changed`` or not: sleep level 2 discarded the engine's weights.
+        # A sleeping engine always needs the sync, ``changed`` or not: sleep level 2 discarded its
+        # weights. An engine kept awake still holds them.
         try:
-            return self._staged_wake(t)
+            return self._staged_wake(t, sync=changed or self.plan.rollout_sleeps)
         except _Resynced as done:
             return done.stats
 
-    def _staged_wake(self, t: Optional[PhaseTimer]) -> SyncStats:
+    def _staged_wake(self, t: Optional[PhaseTimer], sync: bool = True) -> SyncStats:
         """The weights wake while the KV cache still sleeps, so the peak is max(actor params + vLLM
         weights, vLLM weights + KV cache) instead of their sum."""
         w, sleeps = self.workers, self.plan.rollout_sleeps
@@ -179,7 +180,7 @@ class ColocatedHandoff(Handoff):
             self._engine("wake_weights", lambda: w.rollout.wake(["weights"]) if sleeps else None, retry=False)
         self.machine.to(Phase.SYNC)
         with _timed(t, "sync"):
-            stats = self._engine("sync", self._sync, retry=False)
+            stats = self._engine("sync", self._sync, retry=False) if sync else SyncStats()
         self._actor_move(t, "offload", ["params"] if "params" in self.plan.offload else [])
         self.machine.to(Phase.ROLLOUT_WEIGHTS)
         with _timed(t, "wake_kv"):
