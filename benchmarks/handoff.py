@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
     ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
     ap.add_argument("--offload", default="auto", help="actor.offload: auto (what the memory plan says) | all | none")
+    ap.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.exact=true")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="",
                     help="write cProfiles of one extra, untimed step and of both rollouts here")
@@ -86,7 +87,7 @@ def main() -> None:
     over = [*loop_overrides(path, root, "handoff", prompts=args.prompts, n=args.n, tokens=args.tokens,
                             micro=args.micro, fp32_residual=args.fp32_residual),
             f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "sync.verify_every=1",
-            f"actor.offload={args.offload}"]
+            f"actor.offload={args.offload}", *args.set]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)

@@ -75,6 +75,10 @@ class RolloutConfig:
     # batch, so trainer and sampler run the same experts. Needs vLLM on GPUs (its CPU build cannot
     # return routed experts). Costs B x T x MoE layers x top_k bytes of host memory a step (types.py).
     routing_replay: bool = False
+    # Exact on-policy (Qwen3 dense, CUDA): vLLM runs its batch-invariant kernels, eager, and the
+    # actor's forward calls the same kernels op for op (models/exact.py), so the actor's logprobs
+    # equal the sampler's bit for bit and the IS weights are 1. Needs rollout.tensor_parallel_size == actor.tp.
+    exact: bool = False
 
 
 @dataclass
@@ -577,6 +581,12 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"supervise.max_restarts={cfg.supervise.max_restarts} must be >= 0")
     if cfg.algorithm.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} must be >= 0 (0 disables the KL penalty)")
+    if cfg.rollout.exact and cfg.rollout.tensor_parallel_size != cfg.actor.tp:
+        raise ConfigError(f"rollout.exact=true needs rollout.tensor_parallel_size ({cfg.rollout.tensor_parallel_size}) "
+                          f"== actor.tp ({cfg.actor.tp}): a sum split over another number of ranks rounds differently")
+    if cfg.rollout.exact and cfg.actor.fp32_residual:
+        raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
+                          "unset actor.fp32_residual")
 
     pl = cfg.placement
     if pl.gpus_per_node < -1:

@@ -18,14 +18,19 @@ def te_available() -> bool:
     return bool(HAVE_TE)
 
 
-def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None):
+def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None, exact: bool = False):
     """This pipeline stage's model: the family's own builder, else a GPTModel (embedding on the first
-    stage, output on the last)."""
+    stage, output on the last). ``exact``: the family's exact spec (rollout.exact, models/exact.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     use_te = te_available() and platform.has_gpu() if use_te is None else use_te
-    if family.build is not None:
+    if exact:
+        from colocate_rl.models import exact as E
+
+        model = GPTModel(config, family.exact_layer_spec(config, hf), pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(), **E.model_kwargs(family.model_kwargs(hf)))
+    elif family.build is not None:
         model = family.build(hf, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     else:
         model = GPTModel(

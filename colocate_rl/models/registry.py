@@ -67,6 +67,9 @@ class Family:
     # blocks do not fit GPTModel's TransformerBlock (DeepSeek-V4's hc_mult residual streams);
     # None builds a GPTModel from layer_spec and model_kwargs.
     build: Optional[Callable] = None
+    # (TransformerConfig, hf_config) -> layer spec whose forward runs vLLM's batch-invariant kernels
+    # op for op (rollout.exact, models/exact.py); None: the family has no exact mode.
+    exact_layer_spec: Optional[Callable] = None
     # hf_config -> exported tensor names that engines keep unfused and unpacked (embeddings, norms,
     # the output layer, a router): the ones whose copy inside an engine can be checksummed after a
     # sync (weight_sync.verify). Empty would verify nothing, so every family must name some.

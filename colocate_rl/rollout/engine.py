@@ -169,6 +169,12 @@ class RolloutEngine:
         # With TORCHDYNAMO_DISABLE=1 (skips a 15-19 s compile on CPU) vLLM's compiled mode fails in
         # aot_compile; eager is the only mode that runs then.
         eager = r.enforce_eager or os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
+        if r.exact:
+            # Batch-invariant kernels (the engine's workers read the variable at start). Eager: under
+            # torch.compile vLLM's norms and activations become Inductor code, not the kernels the
+            # actor calls (models/exact.py).
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+            eager = True
 
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,

@@ -36,6 +36,7 @@ from colocate_rl import platform
 from colocate_rl.algorithms import global_counts, policy_loss
 from colocate_rl.config import Config
 from colocate_rl.models.build import build_model
+from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.registry import family_for, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
@@ -70,6 +71,9 @@ class Actor:
         self.cfg = cfg
         a = cfg.actor
         platform.setup_platform()
+        self.exact = cfg.rollout.exact
+        if self.exact:  # before any CUDA matmul of this process
+            exact.enable()
         self.hf_config = read_hf_config(cfg.model.path)
         self.family = family_for(self.hf_config)
         self.dtype = DTYPES[cfg.model.dtype]
@@ -93,9 +97,9 @@ class Actor:
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
             fp32_residual_connection=a.fp32_residual,
-            **recompute,
+            **recompute, **(exact.config_fields() if self.exact else {}),
         )
-        module = build_model(self.family, self.hf_config, self.model_config)
+        module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, cfg.model.path)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
@@ -182,9 +186,16 @@ class Actor:
         config, which the hooks (bound to the DDP and its process groups) cannot survive."""
         config = copy.copy(self.model_config)
         config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
-        return build_model(self.family, self.hf_config, config)
+        return build_model(self.family, self.hf_config, config, exact=self.exact)
 
     # ------------------------------------------------------------ forward / backward plumbing
+
+    def _token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """[b, t] logprobs from this rank's logits (trainer/logprobs.py), or as vLLM's sampler computes
+        them in exact mode."""
+        if self.exact:
+            return exact.token_logprobs(logits, tokens, temperature)
+        return token_logprobs(logits, tokens, temperature)
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:
         if self._offload.offloaded(part):
@@ -272,7 +283,7 @@ class Actor:
         temperature = self.cfg.rollout.temperature
 
         def logprobs_of(item, tokens, output, non_loss_data=False):
-            return token_logprobs(output, tokens, temperature)
+            return self._token_logprobs(output, tokens, temperature)
 
         outputs = self._run(items, logprobs_of, forward_only=True, model=model)
         out = torch.zeros(b, t, dtype=torch.float32, device=self.device)
@@ -318,7 +329,7 @@ class Actor:
 
         def grpo_loss(counts, item, tokens, output):
             mb, old, ref = item
-            lp = token_logprobs(output, tokens, temperature)
+            lp = self._token_logprobs(output, tokens, temperature)
             loss, metrics = policy_loss(
                 lp, lp.detach() if old is None else old, mb.rollout_logprobs, mb.advantages, mb.loss_mask, alg,
                 ref_logprobs=ref, max_response_tokens=self.cfg.rollout.max_response_tokens, **counts,
@@ -356,7 +367,7 @@ class Actor:
 
         def nll_loss(counts, item, tokens, output):
             mb = item[0]
-            lp = token_logprobs(output, tokens)
+            lp = self._token_logprobs(output, tokens)
             loss = -torch.where(mb.loss_mask, lp, 0).sum() / max(counts["global_token_count"], 1)
             return loss, {}
 

@@ -1,0 +1,298 @@
+"""Exact on-policy mode (``rollout.exact``): the actor's forward runs vLLM's own kernels, op for op.
+
+The trainer/sampler logprob gap comes from the two sides computing the same function with different
+kernels (reduction orders of norms, attention and softmax; fused vs separate rounding). With vLLM in
+its batch-invariant mode (``VLLM_BATCH_INVARIANT=1``: every kernel's result for a row is independent
+of the batch around it, decode and prefill alike), the actor can reproduce the sampler bit for bit
+by calling the very kernels vLLM calls, in the same order and dtypes:
+
+| op | vLLM (Qwen3, batch-invariant, eager) | here |
+|---|---|---|
+| linears | Triton persistent matmul (``linear_batch_invariant``) | the same kernel, through ``aten::mm`` (``enable``) |
+| RMSNorm of a fresh tensor (layer 0's input, q/k norms) | ``rms_norm_batch_invariant`` (Triton) | the same |
+| RMSNorm of the residual stream | ``fused_add_rms_norm`` (CUDA) on (block output, residual) | the same kernel on (stream, 0): ``x + 0`` is ``x`` |
+| rotary | ``_C.rotary_embedding``, its cos/sin cache built on the GPU at load | the same kernel, the cache built by vLLM's class |
+| attention | FlashAttention 3 varlen, ``num_splits=1`` | the same, on unpaged K/V |
+| SiLU-and-mul | ``_C.silu_and_mul`` | the same |
+| logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
+
+Backward passes need not be batch-invariant: each op's backward is autograd's through a plain torch
+formula of the same function (recomputed in fp32 where it reduces), so gradients are those of the
+function, within the usual tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops
+at config time (colocate_rl.plan).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+ENV = "VLLM_BATCH_INVARIANT"
+
+
+def enable() -> None:
+    """Batch-invariant kernels for this process and every engine it starts (before any CUDA matmul:
+    cuBLAS reads its workspace settings when its handle is created)."""
+    os.environ[ENV] = "1"
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    from vllm.model_executor.layers import batch_invariant as bi
+    from vllm.platforms import current_platform
+
+    bi.init_batch_invariance()
+    global _MM
+    if _MM is None and not current_platform.is_device_capability_family(80):
+        # On Hopper and later vLLM leaves torch's matmuls to cuBLAS but calls its Triton persistent
+        # matmul in every linear layer (linear_batch_invariant): route this process's matmuls, which
+        # Megatron's linears make through aten::mm, to the same kernel (on Ampere vLLM does it).
+        _MM = torch.library.Library("aten", "IMPL")
+        _MM.impl("aten::mm", bi.mm_batch_invariant, "CUDA")
+
+
+_MM = None  # the aten::mm override, once registered (a torch.library.Library must stay alive)
+
+
+def config_fields() -> dict:
+    """TransformerConfig fields of exact mode: the MLP's activation becomes a module (ExactSwiGLU)."""
+    return dict(use_te_activation_func=True)
+
+
+def model_kwargs(kwargs: dict) -> dict:
+    """GPTModel keyword arguments of exact mode: rotary moves into ExactAttention (vLLM's kernel)."""
+    return {**kwargs, "position_embedding_type": "none"}
+
+
+def dense_layer_spec(config, rope_base: float, max_position: int, pp_rank: Optional[int] = None):
+    """Block spec of this pipeline stage (``pp_rank``: this process's) for a Llama-style dense model
+    (Qwen3): local modules with every norm, the core attention (rotary included) and the SwiGLU
+    replaced by vLLM's kernels."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    spec = copy.copy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                pp_rank=pp_rank))
+    fresh = ModuleSpec(module=ExactRMSNorm, params={"after_add": False})
+    stream = ModuleSpec(module=ExactRMSNorm, params={"after_add": True})
+    rope = dict(base=float(rope_base), max_position=int(max_position))
+    first = get_transformer_layer_offset(config, pp_rank=pp_rank) == 0
+    spec.layer_norm = stream  # vLLM's final norm adds the last block's output to the residual
+    # One spec object may stand for every layer, and megatron-core's own: copy each level changed.
+    spec.layer_specs = [copy.copy(layer) for layer in spec.layer_specs]
+    for i, layer in enumerate(spec.layer_specs):
+        sub = layer.submodules = copy.copy(layer.submodules)
+        # vLLM's first layer normalises the embedding alone; every later input norm is fused with
+        # the residual add, and so is the norm before the MLP.
+        sub.input_layernorm = fresh if (first and i == 0) else stream
+        sub.pre_mlp_layernorm = stream
+        sub.self_attention = copy.copy(sub.self_attention)
+        attn = sub.self_attention.submodules = copy.copy(sub.self_attention.submodules)
+        attn.core_attention = ModuleSpec(module=ExactAttention, params=rope)
+        attn.q_layernorm = attn.k_layernorm = fresh
+        # megatron-core gives the MLP as partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...)).
+        mlp = sub.mlp
+        sub.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
+            mlp.keywords["submodules"], activation_func=ExactSwiGLU)})
+    return spec
+
+
+# ---------------------------------------------------------------- norms
+
+
+class _NormFn(torch.autograd.Function):
+    """vLLM's kernel forward; autograd of the fp32 formula backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, after_add):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        if after_add:
+            from vllm import _custom_ops as ops
+
+            out = x.contiguous().clone()  # the kernel writes the normalised x over its input
+            ops.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
+            return out
+        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+        return rms_norm_batch_invariant(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xf, wf = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps) * wf
+            gx, gw = torch.autograd.grad(y, (xf, wf), grad.float())
+        return gx.to(x.dtype), gw.to(weight.dtype), None, None
+
+
+class ExactRMSNorm(torch.nn.Module):
+    """x [..., hidden] → same shape and dtype, by vLLM's kernel for where the norm sits: after the
+    residual add (``after_add``, the fused CUDA kernel) or on a fresh tensor (the Triton one)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, after_add: bool = False, **kwargs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                    device=torch.cuda.current_device()))
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.eps, self.after_add = eps, after_add
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NormFn.apply(x, self.weight, self.eps, self.after_add)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        torch.ops._C.silu_and_mul(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_()
+            gate, up = xf.chunk(2, dim=-1)
+            (gx,) = torch.autograd.grad(F.silu(gate) * up, xf, grad.float())
+        return gx.to(x.dtype)
+
+
+class ExactSwiGLU(torch.nn.Module):
+    """[..., 2 * ffn] (gate | up) → [..., ffn]: silu(gate) * up by vLLM's kernel."""
+
+    def __init__(self, config=None, **kwargs):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SwiGLUFn.apply(x)
+
+
+# ---------------------------------------------------------------- rotary + attention
+
+
+def rope_cache(head_dim: int, base: float, max_position: int, dtype: torch.dtype) -> torch.Tensor:
+    """[max_position, head_dim] cos | sin, as vLLM's RotaryEmbedding builds it on the GPU at load."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    with set_current_vllm_config(VllmConfig()), torch.device(torch.cuda.current_device()):  # a CustomOp
+        rope = RotaryEmbedding(head_dim, head_dim, max_position, base, True, dtype)
+    return rope.cos_sin_cache.to(dtype)
+
+
+class _RopeFn(torch.autograd.Function):
+    """(q [N, heads, hd], k [N, groups, hd]) rotated (NeoX halves) by vLLM's kernel, on copies (it
+    works in place); backward rotates the gradients back in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, cache):
+        from vllm import _custom_ops as ops
+
+        q, k = q.contiguous().clone(), k.contiguous().clone()
+        ops.rotary_embedding(positions, q, k, q.shape[-1], cache, True)
+        ctx.save_for_backward(positions, cache)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, cache = ctx.saved_tensors
+        cos, sin = cache[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [N, 1, hd/2] each
+
+        def unrotate(g):  # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, transposed
+            g1, g2 = g.float().chunk(2, dim=-1)
+            return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1).to(g.dtype)
+
+        return unrotate(gq), unrotate(gk), None, None
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Causal attention over right-padded rows of equal length, [b*s, heads, hd]: FlashAttention 3
+    forward as vLLM calls it; backward through SDPA's autograd on the same inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, b, s, scale):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_func(q, k, v, max_seqlen_q=s, cu_seqlens_q=cu, max_seqlen_k=s, cu_seqlens_k=cu,
+                                     softmax_scale=scale, causal=True, fa_version=3, num_splits=1)
+        ctx.save_for_backward(q, k, v)
+        ctx.shape = (b, s, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        b, s, scale = ctx.shape
+        with torch.enable_grad():
+            qs, ks, vs = (x.detach().view(b, s, x.shape[1], x.shape[2]).transpose(1, 2).requires_grad_()
+                          for x in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                 enable_gqa=qs.shape[1] != ks.shape[1])
+            g = grad.view(b, s, grad.shape[1], grad.shape[2]).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), g)
+        return tuple(x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (gq, gk, gv)) + (None,) * 3
+
+
+class ExactAttention(torch.nn.Module):
+    """Drop-in for Megatron's core attention (causal, no packing) that also applies the rotary
+    embedding (GPTModel built with position_embedding_type='none'), both by vLLM's kernels.
+
+    query [s, b, heads/tp, hd], key/value [s, b, groups/tp, hd] → context [s, b, heads/tp * hd].
+    Rows are right-padded: position p of every row is token p.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, base: float = 10000.0,
+                 max_position: int = 4096):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("rollout.exact does not support context parallelism")
+        self.config = config
+        self.softmax_scale = softmax_scale or config.kv_channels ** -0.5  # as vLLM's Qwen3 writes it
+        self.base, self.max_position = base, max_position
+        self._cache: Optional[torch.Tensor] = None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("ExactAttention takes neither packed sequences nor an attention bias")
+        s, b, heads, hd = query.shape
+        if self._cache is None or self._cache.dtype != query.dtype:
+            self._cache = rope_cache(hd, self.base, self.max_position, query.dtype)
+        q, k, v = (x.transpose(0, 1).reshape(b * s, x.shape[2], hd) for x in (query, key, value))
+        positions = torch.arange(s, device=q.device).repeat(b)
+        q, k = _RopeFn.apply(q, k, positions, self._cache)
+        out = _AttentionFn.apply(q, k, v.contiguous(), b, s, self.softmax_scale)  # [b*s, heads, hd]
+        return out.view(b, s, heads * hd).transpose(0, 1).contiguous()
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits [b, t, V/tp] → [b, t] float32 (out[:, 0] = 0), as vLLM's sampler computes its processed
+    logprobs: fp32 logits over the whole vocabulary divided by a temperature *tensor* (a Python
+    scalar would become a multiplication by its reciprocal), then log_softmax."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    x = gather_from_tensor_model_parallel_region(logits).float()
+    if temperature != 1.0:
+        x = x / torch.full((1,), temperature, dtype=torch.float32, device=x.device)
+    lp = x.log_softmax(dim=-1, dtype=torch.float32)
+    return F.pad(lp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))

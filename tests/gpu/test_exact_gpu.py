@@ -1,0 +1,118 @@
+"""Exact on-policy mode on a GPU (rollout.exact, models/exact.py), Qwen3-0.6B shape in bf16:
+
+- the actor's forward equals vLLM's own forward over the same sequences (its prefill, read back as
+  prompt logprobs): every kernel is vLLM's, op for op;
+- the exact forward's gradients are autograd's (the default model's, within bf16 rounding);
+- the goal, not yet met (xfail, strict): the actor's logprobs equal the sampler's on every token of
+  every step, so every IS weight is exactly 1. vLLM 0.26's logprobs taken while it generates differ
+  from its own prefill of the same sequences (docs/performance.md, "Exact on-policy mode").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+if torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("rollout.exact runs FlashAttention 3 as vLLM does (NVIDIA, compute capability >= 8.0)",
+                allow_module_level=True)
+pytest.importorskip("vllm", reason="needs vLLM's GPU build")
+pytest.importorskip("megatron.core", reason="the actor needs megatron-core")
+
+from colocate_rl import loop  # noqa: E402
+from colocate_rl.cli import preset_config  # noqa: E402
+from colocate_rl.config import Config, ModelConfig, load  # noqa: E402
+from colocate_rl.session import start_session  # noqa: E402
+
+from batches import synthetic_batch  # noqa: E402
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+SHAPE = "qwen3-0.6b"  # head_dim 128: a FlashAttention 3 size
+
+
+def session_cfg(tmp_path, model):
+    base = preset_config(RECIPES / "qwen3_grpo.yaml", "tiny", recipe="qwen3_grpo")
+    args = {"model.path": str(model), "model.synthesize": "''", "model.dtype": "bfloat16",
+            "logging.run_dir": str(tmp_path), "logging.run_name": "exact", "logging.wandb_mode": "disabled",
+            "logging.progress": "false", "logging.plot": "false", "data.prompts_per_step": "32", "rollout.n": "4",
+            "rollout.max_response_tokens": "96", "rollout.temperature": "0.9", "rollout.multiprocess": "true",
+            "rollout.kv_cache_memory_mb": "4096", "rollout.gpu_memory_utilization": "0.3", "rollout.exact": "true",
+            "sft.steps": "0", "eval.every": "0", "checkpoint.at_end": "false", "placement.gpus_per_node": "1",
+            "placement.launcher": "local", "actor.micro_batch_size": "8", "actor.lr": "1e-5"}
+    return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
+
+
+def test_actor_forward_is_vllms_forward(tmp_path, tiny_model):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"))
+    cfg.rollout.temperature = 1.0  # vLLM's prompt logprobs are the model's own (no temperature)
+    s = start_session(cfg)
+    try:
+        batch = s.rollout.generate(s.train_samples[:8], seed=3)
+        with s.handoff.actor_owned(changes_weights=False):
+            actor = s.actor.compute_logprobs(batch)
+        seqs = [batch.tokens[i, : int(batch.attention_mask[i].sum())].tolist() for i in range(batch.size)]
+        outs = s.rollout.llm.generate([TokensPrompt(prompt_token_ids=x) for x in seqs],
+                                      SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        prefill = torch.zeros_like(actor)
+        for i, out in enumerate(outs):
+            for t, top in enumerate(out.prompt_logprobs):
+                if top is not None:
+                    prefill[i, t] = top[seqs[i][t]].logprob
+        scored = batch.attention_mask.clone()
+        scored[:, 0] = False  # the first token has no logprob
+        gap = (actor - prefill)[scored].abs()
+        assert gap.numel() > 500 and gap.mean() < 1e-6, (gap.numel(), float(gap.mean()), float(gap.max()))
+    finally:
+        s.close()
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.26 in batch-invariant mode samples with logprobs that differ from its "
+                                       "own prefill of the same tokens (~0.004 per token at T=1)")
+def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model):
+    s = start_session(session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16")))
+    try:
+        for step in range(3):  # the second and third sample from synced weights
+            m = loop.step(s)
+            s.step = step + 1
+            assert m["sync/bytes"] > 0 and m["update_skipped"] == 0 and m["rollout/response_len"] > 8, m
+            assert m["train_rollout_logprob_abs_diff"] == 0.0, (step, m["train_rollout_logprob_abs_diff"])
+            assert m["is_weight_max"] == 1.0 and m["is_weight_mean"] == 1.0, m
+    finally:
+        s.close()
+
+
+def test_exact_forward_has_autograds_gradients(tiny_model):
+    from colocate_rl.models import exact
+    from colocate_rl.trainer import Actor
+
+    path = tiny_model(SHAPE, dtype="bfloat16")
+    batch = synthetic_batch([40, 33, 21, 40], prompt_len=6, vocab=151936)
+
+    def grads(exact_mode: bool) -> dict[str, torch.Tensor]:
+        cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
+        cfg.rollout.exact = exact_mode
+        actor = Actor(cfg)
+        module = actor.model.module
+        tokens, mask = batch.tokens.cuda(), batch.loss_mask.cuda()
+        positions = torch.arange(tokens.shape[1], device="cuda")[None].expand_as(tokens)
+        logits = module(tokens, positions, None)
+        lp = exact.token_logprobs(logits, tokens)
+        (-(lp * mask).sum() / mask.sum()).backward()
+        out = {n: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).float().clone()
+               for n, p in module.named_parameters()}
+        del actor, module
+        torch.cuda.empty_cache()
+        return out
+
+    exact_g, plain_g = grads(True), grads(False)
+    assert exact_g.keys() == plain_g.keys() and len(exact_g) > 100
+    for name, g in plain_g.items():
+        rel = ((exact_g[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel < 0.05, f"{name}: relative gradient difference {rel:.3g}"

@@ -1,0 +1,52 @@
+"""rollout.exact (models/exact.py): where it cannot be exact, the run stops at config time in one line;
+the exact spec puts vLLM's kernel for each norm where vLLM's Qwen3 has it."""
+
+import pytest
+
+from colocate_rl.config import Config, ConfigError, ModelConfig, load
+
+
+def cfg(path="Qwen/Qwen3-0.6B", **over):
+    return load(Config(model=ModelConfig(path=path)),
+                overrides=["rollout.exact=true", *[f"{k}={v}" for k, v in over.items()]])
+
+
+def one_line(fn, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        fn()
+    assert "\n" not in str(e.value)
+
+
+def test_exact_stops_in_one_line_where_it_cannot_be_exact():
+    from colocate_rl import plan
+
+    # On the CPU: vLLM's batch-invariant kernels have no CPU build.
+    one_line(lambda: plan.resolve(cfg(**{"placement.gpus_per_node": 0})), "rollout.exact=true needs CUDA GPUs")
+    # A family without an exact forward (checked before the device).
+    one_line(lambda: plan.resolve(cfg("Qwen/Qwen3-30B-A3B", **{"placement.gpus_per_node": 0})),
+             "covers Qwen3 dense models; qwen3_moe has no exact forward")
+    # Sums split over another number of ranks round differently; an fp32 residual stream is not vLLM's.
+    one_line(lambda: cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2}), r"tensor_parallel_size \(1\) == actor.tp \(2\)")
+    one_line(lambda: cfg(**{"actor.fp32_residual": "true"}), "unset actor.fp32_residual")
+
+
+def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from colocate_rl.models import exact
+
+    config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
+                               **exact.config_fields())
+    spec = exact.dense_layer_spec(config, 1e6, 4096, pp_rank=0)  # pp_rank: no process group needed
+    after_add = [(layer.submodules.input_layernorm.params["after_add"],
+                  layer.submodules.pre_mlp_layernorm.params["after_add"]) for layer in spec.layer_specs]
+    # vLLM normalises the embedding alone; every later norm is fused with the residual add.
+    assert after_add == [(False, True), (True, True), (True, True)]
+    assert spec.layer_norm.params["after_add"] is True
+    attn = spec.layer_specs[1].submodules.self_attention.submodules
+    assert attn.core_attention.module is exact.ExactAttention and attn.core_attention.params["base"] == 1e6
+    assert not attn.q_layernorm.params["after_add"] and not attn.k_layernorm.params["after_add"]
+    assert spec.layer_specs[2].submodules.mlp.keywords["submodules"].activation_func is exact.ExactSwiGLU
+    assert exact.model_kwargs({"position_embedding_type": "rope"})["position_embedding_type"] == "none"
