@@ -76,8 +76,8 @@ class RolloutConfig:
     # return routed experts). Costs B x T x MoE layers x top_k bytes of host memory a step (types.py).
     routing_replay: bool = False
     # Exact on-policy (Qwen3 dense, CUDA): vLLM runs its batch-invariant kernels, eager, and the
-    # actor's forward calls the same kernels op for op (models/exact.py), so the actor's logprobs
-    # equal the sampler's bit for bit and the IS weights are 1. Needs rollout.tensor_parallel_size == actor.tp.
+    # actor's forward calls the same kernels op for op (models/exact.py): the actor computes what
+    # vLLM's forward computes. Needs rollout.tensor_parallel_size == actor.tp.
     exact: bool = False
 
 
