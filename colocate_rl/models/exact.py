@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 import os
 from typing import Optional
 
