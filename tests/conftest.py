@@ -33,3 +33,42 @@ def tiny_model(tmp_path_factory):
         return ensure_model(shape, root / f"{shape}-{dtype}", seed=0, dtype=dtype)
 
     return get
+
+
+# Under pytest-xdist, as scripts/test.sh runs the suite (`-n 2 --dist loadfile --no-loadscope-reorder`):
+# - a module is one unit of work: its module-scoped fixtures (an engine, a Ray instance, spawned
+#   ranks) start once, on one worker;
+# - the modules that start Ray instances, clusters or nodes are one unit: they run one after
+#   another on one worker, as they do without xdist;
+# - the units holding slow tests come first, so that a long one does not start last.
+RAY_MODULES = {"test_disaggregated.py", "test_multinode.py", "test_ray_auth.py", "test_ray_colocated.py",
+               "test_scripts.py"}
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "ray" if module.rsplit("/", 1)[-1] in RAY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the order as collected
+        return
+    slow = {_unit(i.nodeid) for i in items if i.get_closest_marker("slow")}
+    first: dict[str, int] = {}
+    for k, item in enumerate(items):
+        first.setdefault(_unit(item.nodeid), k)
+    order = {id(item): k for k, item in enumerate(items)}
+    items.sort(key=lambda i: (_unit(i.nodeid) not in slow, first[_unit(i.nodeid)], order[id(i)]))
