@@ -247,6 +247,8 @@ class RolloutEngine:
             envs.disable_envs_cache()
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
+        if self.multiprocess:  # before the first call to it
+            _guard_client(self.llm.llm_engine.engine_core)
         self.routing: MoeRouting | None = None
         if r.routing_replay:
             self.routing = moe_routing(_model_config(self.model_path, self.llm))
@@ -261,8 +263,6 @@ class RolloutEngine:
         # vLLM in-process with TP=1 runs its worker in this very process: senders here must pass
         # same_process=True (a CUDA IPC handle cannot be reopened by the process that made it).
         self.workers_in_process = all(pid == os.getpid() for pid in self._rpc("worker_pid"))
-        if self.multiprocess:
-            _guard_client(self.llm.llm_engine.engine_core)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         """collective_rpc on every worker; a weight-sync refusal surfaces as WeightSyncError with
