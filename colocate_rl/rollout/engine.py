@@ -11,6 +11,7 @@ is one) only decodes responses for the reward.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -18,7 +19,9 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterable
+from concurrent.futures import InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -111,29 +114,62 @@ def _dead(e: BaseException) -> bool:
     return isinstance(e, (EngineDeadError, EngineDied)) or isinstance(e.__cause__, EngineDeadError)
 
 
-def _watch_engine_death(client: Any) -> None:
-    """vLLM's synchronous multiprocess client marks the engine dead when its process exits, but a
-    call already waiting is never told (the async client is): a generate() waiting on the output
-    queue, or a utility call (collective_rpc: sleep, wake, the weight sync) waiting on its future,
-    would block forever. A daemon thread hands every such waiter the EngineDeadError. A call made
-    after the flag is set fails at once (vLLM checks it before sending)."""
+def _guard_client(client: Any) -> None:
+    """Makes vLLM's synchronous multiprocess client (SyncMPClient) safe against its engine dying.
+
+    1. Its sockets. When the engine process exits, vLLM's monitor thread marks the client dead and
+       shuts it down, closing its input socket, while this thread may be sending on that socket (a
+       request or a utility call that passed the alive check just before). A ZMQ socket used by two
+       threads at once is undefined behaviour in libzmq: the send runs on a socket being torn down
+       and the process aborts ("Assertion failed: pfd.revents & POLLIN (src/signaler.cpp)") or
+       crashes. Every send and the shutdown are serialized by one lock, so a send either completes
+       before the socket is closed or finds the client marked dead (vLLM sets the flag before it
+       closes anything) and raises EngineDeadError.
+    2. Its waiters. vLLM's synchronous client never tells a call that is already waiting (the async
+       client does): a generate() waiting on the output queue, or a utility call (collective_rpc:
+       sleep, wake, the weight sync) waiting on its future, would block forever. Nothing answers
+       them once the client's output thread has ended, which it does however the client stops
+       (shut down, the engine dead, or an error of its own): a thread waits for that end, marks the
+       client dead and hands every waiter the EngineDeadError; a call made afterwards fails at once.
+
+    The thread holds no reference to the client, so dropping the client still collects it."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-    if resources is None or outputs is None:
-        return
+    resources = getattr(client, "resources", None)
+    outputs = getattr(client, "outputs_queue", None)
+    output_thread = getattr(client, "output_queue_thread", None)
+    waiters = getattr(client, "utility_results", None)
+    cls = type(client)
+    send, stop = getattr(cls, "_send_input", None), getattr(cls, "shutdown", None)
+    if None in (resources, outputs, output_thread, waiters, send, stop):
+        return  # not the client this was written for (in-process engine, another vLLM)
 
-    def watch() -> None:
-        while not resources.engine_dead:
-            if getattr(client, "_finalizer", None) is not None and not client._finalizer.alive:
-                return  # shut down on purpose
-            time.sleep(0.2)
+    lock = threading.RLock()
+    this = weakref.ref(client)  # the wrappers live on the client: no reference cycle through them
+
+    def locked_send(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return send(this(), *args, **kwargs)
+
+    def locked_shutdown(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return stop(this(), *args, **kwargs)
+
+    # Instance attributes: the client's own methods (call_utility, add_request, abort_requests) and
+    # vLLM's monitor thread look these names up on the instance.
+    client._send_input, client.shutdown = locked_send, locked_shutdown
+
+    def answer_waiters() -> None:
+        output_thread.join()
+        with lock:  # a send after this finds the flag set; one before it registered its future first
+            resources.engine_dead = True
+            pending = list(waiters.values())
         outputs.put_nowait(EngineDeadError())
-        for future in list(getattr(client, "utility_results", {}).values()):
-            if not future.done():
+        for future in pending:
+            with contextlib.suppress(InvalidStateError):
                 future.set_exception(EngineDeadError())
 
-    threading.Thread(target=watch, daemon=True, name="crl-engine-death-watch").start()
+    threading.Thread(target=answer_waiters, daemon=True, name="crl-engine-waiters").start()
 
 
 class RolloutEngine:
@@ -217,6 +253,8 @@ class RolloutEngine:
             envs.disable_envs_cache()
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
+        if self.multiprocess:  # before the first call to it
+            _guard_client(self.llm.llm_engine.engine_core)
         self.routing: MoeRouting | None = None
         if r.routing_replay:
             self.routing = moe_routing(_model_config(self.model_path, self.llm))
@@ -231,8 +269,6 @@ class RolloutEngine:
         # vLLM in-process with TP=1 runs its worker in this very process: senders here must pass
         # same_process=True (a CUDA IPC handle cannot be reopened by the process that made it).
         self.workers_in_process = all(pid == os.getpid() for pid in self._rpc("worker_pid"))
-        if self.multiprocess:
-            _watch_engine_death(self.llm.llm_engine.engine_core)
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         """collective_rpc on every worker; a weight-sync refusal surfaces as WeightSyncError with
@@ -311,8 +347,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------ memory
 
     def _client_dead(self) -> bool:
-        """vLLM's client marks its engine dead, then closes its sockets: a call racing that shutdown
-        fails with a socket error (zmq ENOTSOCK) instead of EngineDeadError, by then the flag is set."""
+        """The client is marked dead: an engine call that failed with something other than
+        EngineDeadError (vLLM wraps some errors of its own) failed because the engine is gone."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
 
