@@ -39,7 +39,7 @@ def tiny_model(tmp_path_factory):
 # - a module is one unit of work: its module-scoped fixtures (an engine, a Ray instance, spawned
 #   ranks) start once, on one worker;
 # - the modules that start Ray instances, clusters or nodes are one unit: they run one after
-#   another on one worker, as they do without xdist;
+#   another on one worker, as they do without xdist (scripts/test.sh runs them in a phase of their own);
 # - the units holding slow tests come first, so that a long one does not start last.
 RAY_MODULES = {"test_disaggregated.py", "test_multinode.py", "test_ray_auth.py", "test_ray_colocated.py",
                "test_scripts.py"}
@@ -64,6 +64,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+    # scripts/test.sh's two phases: TEST_RAY_MODULES=skip (the rest, on xdist workers), then =only
+    # (the Ray modules alone: a Ray node waits a fixed 30 s for its raylet, which a loaded machine
+    # running another heavy module beside it may not start in time).
+    phase = os.environ.get("TEST_RAY_MODULES", "")
+    if phase in ("skip", "only"):
+        keep = [i for i in items if (_unit(i.nodeid) == "ray") == (phase == "only")]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     if not hasattr(config, "workerinput"):  # not an xdist worker: the order as collected
         return
     slow = {_unit(i.nodeid) for i in items if i.get_closest_marker("slow")}
