@@ -159,8 +159,9 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         if cfg.rollout.routing_replay and moe_routing(hf) is None:
             raise ConfigError(f"rollout.routing_replay=true but the model ({hf.get('model_type')}) has no routed "
                               "experts to replay")
-        if cfg.rollout.exact and family_for(hf).exact_layer_spec is None:
-            raise ConfigError(f"rollout.exact=true covers Qwen3 dense models; {family_for(hf).name} has no exact "
+        family = family_for(hf)
+        if cfg.rollout.exact and family.exact_layer_spec is None:
+            raise ConfigError(f"rollout.exact=true covers Qwen3 dense models; {family.name} has no exact "
                               "forward (models/exact.py)")
         size = model_size(hf)
     if cfg.rollout.exact and not lay.on_gpu:

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from colocate_rl.models.norm import RMSNorm
+
 ENV = "VLLM_BATCH_INVARIANT"
 
 
@@ -136,16 +138,13 @@ class _NormFn(torch.autograd.Function):
         return gx.to(x.dtype), gw.to(weight.dtype), None, None
 
 
-class ExactRMSNorm(torch.nn.Module):
+class ExactRMSNorm(RMSNorm):
     """x [..., hidden] → same shape and dtype, by vLLM's kernel for where the norm sits: after the
     residual add (``after_add``, the fused CUDA kernel) or on a fresh tensor (the Triton one)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, after_add: bool = False, **kwargs):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
-                                                    device=torch.cuda.current_device()))
-        self.weight.sequence_parallel = config.sequence_parallel
-        self.eps, self.after_add = eps, after_add
+        super().__init__(config, hidden_size, eps)
+        self.after_add = after_add
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _NormFn.apply(x, self.weight, self.eps, self.after_add)
