@@ -79,6 +79,12 @@ class RolloutConfig:
     # actor's forward calls the same kernels op for op (models/exact.py): the actor computes what
     # vLLM's forward computes. Needs rollout.tensor_parallel_size == actor.tp.
     exact: bool = False
+    # Where vLLM's kernel JITs keep what they compiled (torch.compile, DeepGEMM, tilelang, Triton,
+    # the CuTe DSL, FlashInfer): "" = COLOCATE_RL_CACHE/compile (the project's .cache, shared by
+    # runs, kept across container restarts when the work folder is mounted), "default" = each
+    # library's own home-folder default. A cold DeepSeek-V4 start compiles for minutes; a warm one
+    # reads these (docs/performance.md).
+    compile_cache: str = ""
 
 
 @dataclass

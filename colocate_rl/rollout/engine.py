@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from colocate_rl.config import Config
+from colocate_rl.config import Config, cache_dir
 from colocate_rl.models.registry import MoeRouting, moe_routing, read_hf_config
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
@@ -64,6 +64,27 @@ def _checkpoint_quantized(model_path: str) -> bool:
     """The checkpoint's config.json declares a quantization (e.g. DeepSeek's block FP8)."""
     p = Path(model_path) / "config.json"
     return p.is_file() and "quantization_config" in json.loads(p.read_text())
+
+
+# The variables through which vLLM's kernel JITs find their caches (its workers inherit them).
+COMPILE_CACHES = {
+    "VLLM_CACHE_ROOT": "vllm",  # torch.compile artifacts; DeepGEMM's cache under it (deep_gemm/)
+    "TILELANG_CACHE_DIR": "tilelang",  # DeepSeek-V4's mHC kernels
+    "TRITON_CACHE_DIR": "triton",
+    "QUACK_CACHE_DIR": "quack",  # the CuTe DSL kernels of DeepSeek-V4's compressors
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+}
+
+
+def use_compile_cache(setting: str) -> dict[str, str]:
+    """Points vLLM's kernel JITs at one cache folder (rollout.compile_cache; "" = COLOCATE_RL_CACHE/
+    compile, "default" = leave them alone). A variable already set in the environment wins.
+    Returns what the environment now says for each."""
+    if setting != "default":
+        root = Path(setting) if setting else cache_dir() / "compile"
+        for var, sub in COMPILE_CACHES.items():
+            os.environ.setdefault(var, str(root / sub))
+    return {var: os.environ[var] for var in COMPILE_CACHES if var in os.environ}
 
 
 def sampler_routing(routed: Any, length: int, routing: MoeRouting) -> torch.Tensor:
@@ -211,6 +232,8 @@ class RolloutEngine:
             # actor calls (models/exact.py).
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             eager = True
+
+        use_compile_cache(r.compile_cache)
 
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,

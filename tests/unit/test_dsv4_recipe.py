@@ -102,3 +102,8 @@ def test_mini_preset_has_the_released_width_and_fits_two_h200s():
     assert "deepseek-v4-mini" in RELEASED_FORMAT
     plan = resolve(load(recipe().config("mini"), overrides=["placement.accelerator=h200"]))
     assert plan.memory.overflow() is None and plan.layout.actor_gpus == 1 and plan.layout.engines == 1
+    # mini-1gpu: the same run colocated on one H200; the FP8 engine sleeps while the actor trains.
+    two, one = (load(recipe().config(p), overrides=["placement.accelerator=h200"]) for p in ("mini", "mini-1gpu"))
+    assert (one.model, one.rollout, one.actor) == (two.model, two.rollout, two.actor)
+    plan = resolve(one)
+    assert plan.memory.overflow() is None and plan.layout.colocated and plan.memory.rollout_sleeps

@@ -94,3 +94,21 @@ def test_an_in_process_client_is_left_alone():
     client = SimpleNamespace(shutdown=lambda: None)
     _guard_client(client)
     assert not hasattr(client, "_send_input")
+
+
+def test_compile_caches_go_to_one_folder_and_the_environment_wins(monkeypatch, tmp_path):
+    from colocate_rl.rollout.engine import COMPILE_CACHES, use_compile_cache
+
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    got = use_compile_cache(str(tmp_path))
+    assert got["TRITON_CACHE_DIR"] == "/elsewhere"
+    assert got["TILELANG_CACHE_DIR"] == str(tmp_path / "tilelang") and got["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("COLOCATE_RL_CACHE", str(tmp_path / "c"))
+    assert use_compile_cache("")["QUACK_CACHE_DIR"] == str(tmp_path / "c" / "compile" / "quack")
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    assert use_compile_cache("default") == {}
