@@ -198,7 +198,7 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     act = (layers * 2 * s * b * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.4: on an H200 the caching allocator held 52 GiB after a step the formula puts at 37.6
     # (0.6B model, 64 x 288-token sequences per micro-batch): temporaries and fragmentation.
-    parts["activations"] = int(1.4 * (act * min(pp, 2) + 8 * s * b * size.vocab / tp))
+    parts["activations"] = int(1.4 * size.activation_factor * (act * min(pp, 2) + 8 * s * b * size.vocab / tp))
     # vLLM: weights split over the engine's TP group; it takes gpu_memory_utilization of the card for
     # weights, activations and KV cache (or weights + the explicit KV budget).
     wbytes = 1 if r.weight_quantization == "fp8" else pb

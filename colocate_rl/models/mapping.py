@@ -202,6 +202,8 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
     params = dict(model.named_parameters())
     where = placement(model)
     local = {where.to_canonical(n): p for n, p in params.items()}
+    named = {s.name for s in specs}  # buffers that carry checkpoint state export like parameters
+    local.update({c: b for n, b in model.named_buffers() if (c := where.to_canonical(n)) in named})
     dev, pdtype = next(iter(params.values())).device, model.config.params_dtype
     pp_size = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()

@@ -82,6 +82,9 @@ class Family:
     hf_tensor: Optional[Callable] = None
     # hf_config -> MoeRouting of its routed experts (routing replay), None for a model without experts
     moe_routing: Callable[[dict], Optional[MoeRouting]] = lambda hf: None
+    # The memory plan's activation estimate (memory.plan_memory) times this: a family whose layers
+    # hold more than a standard transformer's (calibrated from a measured run).
+    activation_factor: float = 1.0
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -107,19 +110,21 @@ class ModelSize:
     largest: int  # elements of the largest single tensor (gathered whole for a sync)
     moe_intermediate: int = 0
     topk: int = 0
+    activation_factor: float = 1.0  # the family's (Family.activation_factor)
 
 
 def model_size(hf: dict) -> ModelSize:
     """Counts every exported parameter of the family's full model (no weights read)."""
     import math
 
-    specs = family_for(hf).params(hf)
+    family = family_for(hf)
+    specs = family.params(hf)
     sizes = [(math.prod(s.shape), s.expert is not None) for s in specs if s.export]
     return ModelSize(
         total=sum(n for n, _ in sizes), experts=sum(n for n, e in sizes if e), hidden=int(hf["hidden_size"]),
         layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
         moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
-        topk=int(hf.get("num_experts_per_tok") or 0))
+        topk=int(hf.get("num_experts_per_tok") or 0), activation_factor=family.activation_factor)
 
 
 def moe_routing(hf: dict) -> Optional[MoeRouting]:

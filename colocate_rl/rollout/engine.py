@@ -396,7 +396,10 @@ class RolloutEngine:
         overwrites the weights anyway. Level 1 keeps a host copy of the weights."""
         if self._no_sleep():
             return
-        self.llm.sleep(level=self.cfg.rollout.sleep_level if level is None else level)
+        level = self.cfg.rollout.sleep_level if level is None else level
+        if level == 2:
+            self._rpc("weights_discarded")
+        self.llm.sleep(level=level)
         self.asleep = True
 
     def wake(self, tags: list[str] | None = None) -> None:

@@ -78,6 +78,7 @@ class WeightReceiver:
                 shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
             st = self.__dict__["_crl"] = {
                 "receiver": IpcReceiver(self.device), "shapes": shapes, "tied": tied, "active": False,
+                "discarded": False,  # slept at level 2 since the last sync (weights_discarded)
             }
         return st
 
@@ -110,6 +111,11 @@ class WeightReceiver:
         """HF name -> shape the engine accepts (its checkpoint's tensors)."""
         return {k: list(v) for k, v in self._crl_state()["shapes"].items()}
 
+    def weights_discarded(self) -> None:
+        """The engine is about to sleep at level 2, which frees its weights without a copy: until
+        the next sync completes, no live tensor may stand in for one the sync leaves out."""
+        self._crl_state()["discarded"] = True
+
     def begin_weight_sync(self) -> None:
         from vllm.config import set_current_vllm_config
 
@@ -126,7 +132,7 @@ class WeightReceiver:
                                       f"(vllm.model_executor.model_loader.reload), missing in vLLM {vllm.__version__}"
                                       ) from e
 
-            st["reload"] = LayerwiseSync(self._crl_model())
+            st["reload"] = LayerwiseSync(self._crl_model(), discarded=st["discarded"])
             with set_current_vllm_config(self.vllm_config):
                 st["reload"].begin()
         st["active"] = True
@@ -198,7 +204,7 @@ class WeightReceiver:
                 st.pop("reload")
                 if self._crl_cpu():
                     self._crl_fix_cpu_after_reload()
-        st["active"] = False
+        st["active"] = st["discarded"] = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

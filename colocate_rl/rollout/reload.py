@@ -15,10 +15,12 @@ What it misses (vLLM 0.26's DeepSeek-V4, vllm/models/deepseek_v4/nvidia/model.py
   sinks: ``params_dict[name][:n].copy_(...)``) lands in the meta placeholder and is dropped; the
   layer keeps its old values. Such tensors are noticed after each bucket (their parameter is still a
   placeholder and no loader took them), kept, and loaded again once the parameters are live.
-- A layer holding a tensor the sync does not carry (the hash-routing table ``ffn.gate.tid2eid``,
-  frozen in RL, so the actor never exports it) never completes; finalize then processes it from a
-  freshly allocated, uninitialised table and copies that over the live one. Before finalizing, such
-  a layer gets the engine's own current values for what the sync left out, which completes it.
+- A layer holding a tensor the sync does not carry (a sender that leaves out what RL never changes,
+  such as DeepSeek-V4's hash-routing table ``ffn.gate.tid2eid``) never completes; finalize then
+  processes it from a freshly allocated, uninitialised table and copies that over the live one.
+  Before finalizing, such a layer gets the engine's own current values for what the sync left out,
+  which completes it; unless the engine slept at level 2 since its last sync, which discarded those
+  values: then the sync fails naming the tensor (the colocated actor sends every tensor).
 After finalize one more ``load_weights`` call (the kept tensors, or none) runs the model's own
 after-load hooks on live parameters: DeepSeek-V4 recomputes its mHC broadcast table there, which
 during the sync was computed from placeholders.
@@ -57,10 +59,12 @@ def _vllm_name(model: torch.nn.Module, name: str) -> str | None:
 
 
 class LayerwiseSync:
-    """begin() → load(bucket)… → finish(model_config); abort(model_config) instead of finish on failure."""
+    """begin() → load(bucket)… → finish(model_config); abort(model_config) instead of finish on failure.
+    ``discarded``: the engine slept at level 2 since it last received weights, so its live tensors
+    hold nothing and cannot stand in for one the sync leaves out."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, discarded: bool = False):
+        self.model, self.discarded = model, discarded
         self.kept: list[tuple[str, torch.Tensor]] = []
 
     def begin(self) -> None:
@@ -136,6 +140,10 @@ class LayerwiseSync:
                     break
                 if placeholder is None or not placeholder.is_meta or attr in loaded:
                     continue
+                if self.discarded:
+                    raise WeightSyncError(
+                        f"weight sync: '{owner}.{attr}' was not sent, and the engine discarded its own copy when "
+                        "it slept at level 2: send every tensor the engine holds, or use rollout.sleep_level=1")
                 old = live.get(attr)
                 if (old is None or old.shape != placeholder.shape or old.dtype != placeholder.dtype
                         or _original_loader(placeholder) is not default_weight_loader):

@@ -1,6 +1,7 @@
 """DeepSeek-V4 rollout on a GPU, weights synced in the released layout: a vLLM engine started from a
 released-format checkpoint (FP8 e4m3 128x128 blocks with ue8m0 scales, MXFP4 routed experts)
-receives new bf16 weights quantized on the sender (weight_sync/quantize.py) three times in a row;
+receives new bf16 weights quantized on the sender (weight_sync/quantize.py) three times in a row,
+each after a sleep at level 2 (which discards every tensor it holds) and a wake of its weights;
 after each sync it must sample what an engine started from a checkpoint of those same weights
 samples: the same tokens, logprobs within 1e-3. That holds only if every quantized layer's post-load
 processing (FP8 scale packing, MXFP4 expert re-layout) ran on the complete new weights, and the
@@ -45,7 +46,7 @@ SHAPE = dict(  # benchmarks/dsv4_parity_gpu.py's model: released attention sizes
                   "beta_slow": 1},
     eos_token_id=1, bos_token_id=0,
 )
-FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # routing state the actor never exports (models/deepseek_v4/weights.py)
+FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # routing state RL never changes (the actor sends it as it is)
 MAX_TOKENS, N = 24, 2
 
 
@@ -96,8 +97,7 @@ def engine(path):
     cfg.rollout.max_model_len, cfg.rollout.temperature = 1024, 1.0
     cfg.rollout.multiprocess, cfg.rollout.enforce_eager = True, True
     cfg.rollout.gpu_memory_utilization = 0.5
-    # vLLM's DeepSeek-V4 keeps its KV cache in the fp8_ds_mla layout; sleep mode is not what this is about.
-    return RolloutEngine(cfg, kv_cache_dtype="fp8", enable_sleep_mode=False)
+    return RolloutEngine(cfg, kv_cache_dtype="fp8")
 
 
 def sample(eng):
@@ -123,8 +123,13 @@ def test_three_syncs_sample_as_engines_started_from_the_same_weights(tmp_path):
         assert {"fp8_ue8m0", "mxfp4"} == set(plan.values())
         before = sample(eng)
         for target in targets:
-            sent = [(n, t.cuda()) for n, t in target.items() if not n.endswith(FROZEN)]
+            # As the colocated handoff does: sleep at level 2 discards every tensor the engine holds,
+            # so the sync must give each one back (the frozen routing state too).
+            eng.sleep(2)
+            eng.wake(["weights"])
+            sent = [(n, t.cuda()) for n, t in target.items()]
             stats = eng.update_weights(quantize_named(iter(sent), plan), bucket_mb=16)  # many buckets
+            eng.wake(["kv_cache"])
             assert stats.bytes > 0
             synced.append(sample(eng))
     finally:

@@ -58,10 +58,12 @@ def test_logprobs_match_transformers_and_export_uses_official_names(tiny_model):
 
     ckpt = load_file(str(path / "model.safetensors"))
     exported = {name: t.clone() for name, t in actor.export_hf_weights()}
-    frozen = {n for n in ckpt if n.endswith(("tid2eid", "gate.bias"))}
-    assert frozen and sorted(exported) == sorted(set(ckpt) - frozen)
+    # Every checkpoint tensor, the frozen routing state too (an engine that slept at level 2 holds
+    # nothing until the sync gives it all back), in the checkpoint's dtype.
+    assert any(n.endswith("tid2eid") for n in ckpt) and any(n.endswith("gate.bias") for n in ckpt)
+    assert sorted(exported) == sorted(ckpt)
     for name, t in exported.items():
-        assert torch.equal(t, ckpt[name]), name
+        assert t.dtype == ckpt[name].dtype and torch.equal(t, ckpt[name]), name
 
 
 def test_grpo_steps_move_the_model_and_keep_routing_tables(tiny_model):

@@ -230,3 +230,16 @@ def test_a_partial_layer_that_cannot_be_refilled_is_refused_by_name():
     with pytest.raises(WeightSyncError, match=r"'model\.layers\.1\.ffn\.experts\.w13_scale' was not sent"):
         sync.finish(model_config=None)
     sync.abort(model_config=None)
+
+
+def test_after_a_level_2_sleep_a_left_out_tensor_is_refused_by_name():
+    """A sleep at level 2 frees the engine's weights without a copy: the hash-routing table the
+    sync leaves out (completed from the live copy above) would come from uninitialised memory."""
+    model, _ = started_model()
+    sync = LayerwiseSync(model, discarded=True)
+    sync.begin()
+    for bucket in buckets(weights(1)):
+        sync.load(bucket)
+    with pytest.raises(WeightSyncError, match=r"'model\.layers\.0\.ffn\.gate\.tid2eid' was not sent.*level 2"):
+        sync.finish(model_config=None)
+    sync.abort(model_config=None)

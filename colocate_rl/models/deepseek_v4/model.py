@@ -391,7 +391,8 @@ def _router_class():
             self.is_hash = hash_vocab > 0
             self.token_ids: Optional[torch.Tensor] = None  # [s, b], set by the layer before each call
             if self.is_hash:
-                self.register_buffer("tid2eid", torch.zeros(hash_vocab, self.topk, dtype=torch.long,
+                # int32, the released checkpoint's dtype (exported as it is).
+                self.register_buffer("tid2eid", torch.zeros(hash_vocab, self.topk, dtype=torch.int32,
                                                             device=self.weight.device))
 
         def routing(self, logits: torch.Tensor, padding_mask=None):

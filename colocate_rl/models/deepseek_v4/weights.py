@@ -71,12 +71,12 @@ def params(hf: dict) -> list[ParamSpec]:
             one(m + "pre_mlp_layernorm.weight", p + "ffn_norm.weight", (d,)),
             one(m + "mlp.router.weight", p + "ffn.gate.weight", (h.num_experts, d)),
         ]
-        # Frozen routing state (buffers): loaded, never exported (RL does not change them, and the
-        # rollout engine holds the same values from the same checkpoint).
+        # Frozen routing state (buffers; RL never changes them), exported all the same: an engine
+        # that slept at level 2 discarded every tensor it holds, and a sync must give each one back.
         if h.is_hash(i):
-            out.append(one(m + "mlp.router.tid2eid", p + "ffn.gate.tid2eid", (h.vocab_size, h.topk), export=False))
+            out.append(one(m + "mlp.router.tid2eid", p + "ffn.gate.tid2eid", (h.vocab_size, h.topk)))
         else:
-            out.append(one(m + "mlp.router.expert_bias", p + "ffn.gate.bias", (h.num_experts,), export=False))
+            out.append(one(m + "mlp.router.expert_bias", p + "ffn.gate.bias", (h.num_experts,)))
         inter = h.moe_intermediate_size
         for e in range(h.num_experts):
             me, pe = m + f"mlp.experts.local_experts.{e}.", p + f"ffn.experts.{e}."
