@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from colocate_rl.rollout.reload import LayerwiseSync
+from colocate_rl.rollout.reload import LayerwiseSync, vllm_name
 from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -113,8 +113,18 @@ class WeightReceiver:
 
     def weights_discarded(self) -> None:
         """The engine is about to sleep at level 2, which frees its weights without a copy: until
-        the next sync completes, no live tensor may stand in for one the sync leaves out."""
-        self._crl_state()["discarded"] = True
+        a sync has given back every tensor it holds, no live tensor may stand in for one the sync
+        leaves out (end_weight_sync checks)."""
+        st = self._crl_state()
+        if "held" not in st:
+            # The checkpoint tensors the model holds under their own names (not those vLLM fuses,
+            # such as q/k/v, nor those it skips, such as DeepSeek-V4's MTP layers): computed while
+            # the parameters are live, before any sync replaces them with placeholders.
+            model = self._crl_model()
+            own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+            st["held"] = {n for n in st["shapes"] if vllm_name(model, n) in own
+                          and not (st["tied"] and n == "lm_head.weight")}
+        st["discarded"] = True
 
     def begin_weight_sync(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -135,7 +145,7 @@ class WeightReceiver:
             st["reload"] = LayerwiseSync(self._crl_model(), discarded=st["discarded"])
             with set_current_vllm_config(self.vllm_config):
                 st["reload"].begin()
-        st["active"] = True
+        st["active"], st["received"] = True, set()
 
     def update_weights_from_ipc(self, message: Message) -> dict[str, float]:
         """Loads this device's entry of ``message``: {"tensors": n, "bytes": b, "seconds": time here}."""
@@ -193,6 +203,13 @@ class WeightReceiver:
         st = self._crl_state()
         if not st["active"]:
             raise RuntimeError("end_weight_sync without begin_weight_sync")
+        missing = sorted(st["held"] - st["received"]) if st["discarded"] else []
+        if missing:
+            self.abort_weight_sync()
+            raise WeightSyncError(
+                f"weight sync: {len(missing)} tensor(s) the engine holds were not sent ({', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}), and it discarded its own copies when it slept at level 2: "
+                "send every tensor, or use rollout.sleep_level=1")
         reload = st.get("reload")
         if reload is not None:
             with set_current_vllm_config(self.vllm_config):
@@ -277,6 +294,7 @@ class WeightReceiver:
         oneshot = not st["active"]
         if oneshot:
             self.begin_weight_sync()
+        st["received"].update(n for n, _ in named)
         try:
             self._crl_load(named)
         except BaseException:

@@ -50,7 +50,7 @@ def _original_loader(tensor: torch.Tensor):
     return loader
 
 
-def _vllm_name(model: torch.nn.Module, name: str) -> str | None:
+def vllm_name(model: torch.nn.Module, name: str) -> str | None:
     """The model's parameter name for a checkpoint name (its hf_to_vllm_mapper; None: skipped)."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is None:
@@ -106,7 +106,7 @@ class LayerwiseSync:
         """Tensors of this bucket that went around their parameter's weight loader into a placeholder."""
         infos, out = _layerwise_info(), []
         for name, t in named:
-            target = _vllm_name(self.model, name)
+            target = vllm_name(self.model, name)
             if target is None:
                 continue
             owner, _, attr = target.rpartition(".")
@@ -154,4 +154,4 @@ class LayerwiseSync:
                 placeholder.weight_loader(placeholder, old)
 
 
-__all__ = ["LayerwiseSync"]
+__all__ = ["LayerwiseSync", "vllm_name"]

@@ -129,6 +129,22 @@ def test_shape_mismatch_is_refused(tied):
     sender.release()
 
 
+def test_after_a_level_2_sleep_every_held_tensor_must_come_back(tied, tiny_model, tmp_path):
+    """A sleep at level 2 frees the engine's weights without a copy (vLLM's CPU build has no sleep
+    mode: the engine is told, as RolloutEngine.sleep(2) tells it). A sync that leaves out a tensor
+    the engine holds stops naming it; one that sends everything lands, and the engine samples as
+    the model it was given."""
+    path = tiny_model("qwen3-tiny-tied")
+    hf, tensors = _perturbed(path, tmp_path, seed=21)
+    tied._rpc("weights_discarded")
+    partial = [(n, t) for n, t in tensors.items() if n != "model.norm.weight"]
+    with pytest.raises(WeightSyncError, match=r"1 tensor\(s\) the engine holds were not sent \(model\.norm\.weight\)"):
+        tied.update_weights(iter(partial), bucket_mb=0.05)
+    tied.update_weights(tensors.items(), bucket_mb=0.05)
+    assert max_diff(hf, tied.generate(_samples(tied), seed=2)) <= TOL
+    tied.update_weights(iter(partial), bucket_mb=0.05)  # awake since: the engine's own norm stands in
+
+
 def test_tp2_engine_checksums_add_up_vocab_shards(tiny_model, monkeypatch):
     """vLLM at tensor_parallel_size=2 splits embed_tokens and lm_head by vocabulary rows (padded per
     shard); the engine's checksum adds the two workers' shards up to the checkpoint tensor's. (A
