@@ -103,6 +103,7 @@ def test_grpo_step_replays_and_replay_narrows_the_logprob_gap(tmp_path, tiny_mod
         mask = batch.loss_mask
         gap = {k: float((lp - batch.rollout_logprobs)[mask].abs().mean()) for k, lp in
                (("replay", replayed), ("plain", plain))}
+        print(f"logprob gap after one step, replayed vs own routing: {gap}")
         assert gap["replay"] <= gap["plain"], gap
     finally:
         s.close()
