@@ -3,7 +3,9 @@
 # kernels) with its dependencies; the CuTe DSL (nvidia-cutlass-dsl with its CUDA 13 libraries, and
 # quack-kernels) for the C4/C128 compressor kernels; and the CUDA 13 compiler pieces that tilelang's
 # and DeepGEMM's JITs call (nvcc, cicc and libdevice, the crt headers, CUDA and CCCL headers).
-# DeepGEMM (the FP8 linears, the mHC pre-norm GEMM and the indexer) ships inside vLLM.
+# DeepGEMM (the FP8 linears, the mHC pre-norm GEMM and the indexer) ships inside vLLM. The JIT caches
+# land in .cache/compile (rollout.compile_cache). Set VLLM_DEEP_GEMM_WARMUP=skip on a cold cache: its
+# default warm-up compiles ~2,500 GEMM kernels, about 28 minutes on an H200 (docs/performance.md).
 # Downloads cp312 wheels into .device/dsv4/g0..gN (each under 60 MiB, one per command sent there;
 # a larger wheel travels as .partNN pieces that install.sh joins) and writes .device/dsv4/install.sh.
 # On the machine, after copying every group to /tmp/vb/dsv4/:
@@ -23,7 +25,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85 \
   nvidia-cuda-runtime==13.0.96 \
   nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 nvidia-cutlass-dsl-libs-core==4.6.0 \
-  nvidia-cutlass-dsl-libs-cu13==4.6.0 nvidia-cuda-nvdisasm==13.3.73 quack-kernels==0.6.0 cuda-python==13.0.3
+  nvidia-cutlass-dsl-libs-cu13==4.6.0 nvidia-cuda-nvdisasm==13.3.73 quack-kernels==0.6.0 cuda-python==13.0.3 \
+  compressed-tensors==0.17.0 loguru==0.7.3
+# compressed-tensors (with loguru): vLLM imports it whenever a checkpoint declares a quantization,
+# as the released FP8 one does.
 # vLLM 0.26 pins nvidia-cutlass-dsl[cu13]==4.6.0; quack-kernels 0.6.0 is the release made for it.
 for f in "$out"/all/*.whl; do  # wheels over 50 MiB travel in pieces
   if [ "$(stat -c %s "$f")" -gt $((50 * 2**20)) ]; then split -b 50M -d "$f" "$f.part" && rm "$f"; fi
