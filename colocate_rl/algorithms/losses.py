@@ -79,6 +79,7 @@ def policy_loss(
       is_clamped_frac tokens whose raw weight exceeded C
       approx_kl       KL(old ‖ new) by k3: (r - 1) - log r, r = exp(logp - old_logp)
       train_rollout_logprob_abs_diff  mean |old_logp - rollout_logp|
+      train_rollout_logprob_abs_diff_max  its largest token (the trainer maxes '_max' metrics)
       kl_ref          (when kl_coef > 0) the KL estimate to the reference
       entropy         (when passed in)
     """
@@ -111,6 +112,8 @@ def policy_loss(
         metrics["is_clamped_frac"] = masked_mean(clamped.to(ratio.dtype), mask)
         metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask)
         metrics["train_rollout_logprob_abs_diff"] = logprob_abs_diff(old_logprobs, rollout_logprobs, mask)
+        metrics["train_rollout_logprob_abs_diff_max"] = torch.where(
+            mask, (old_logprobs - rollout_logprobs).abs(), 0).max() if mask.numel() else is_raw.new_zeros(())
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -196,3 +196,12 @@ def test_micro_batch_losses_sum_to_the_full_batch(agg):
     # without the global normaliser, the micro-batch means do not add up
     local = sum(policy_loss(logp[s], old[s], rollout[s], adv[s], mask[s], cfg)[0] for s in (slice(0, 2), slice(2, 6)))
     assert not torch.allclose(local, full)
+
+
+def test_logprob_gap_max_is_the_largest_masked_token():
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    rollout = torch.tensor([[-0.1, 0.3, -2.0]], dtype=torch.float64)  # the 2.0 token is padding
+    mask = torch.tensor([[True, True, False]])
+    _, m = policy_loss(old.clone().requires_grad_(), old, rollout, torch.ones(1, dtype=torch.float64), mask, _cfg())
+    assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.2)
+    assert m["train_rollout_logprob_abs_diff_max"].item() == pytest.approx(0.3)
