@@ -233,7 +233,13 @@ class RolloutEngine:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             eager = True
 
-        use_compile_cache(r.compile_cache)
+        caches = use_compile_cache(r.compile_cache)
+        if not self.on_cpu and (r.weight_quantization == "fp8" or _checkpoint_quantized(self.model_path)):
+            deep_gemm = Path(caches.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "deep_gemm"
+            if "VLLM_DEEP_GEMM_WARMUP" not in os.environ and not any(deep_gemm.glob("*")):
+                print("note: vLLM warms DeepGEMM's FP8 kernels up on a cold cache (about 28 minutes for "
+                      "DeepSeek-V4 on an H200); VLLM_DEEP_GEMM_WARMUP=skip compiles each at first use "
+                      f"instead. They are kept in {deep_gemm}", flush=True)
 
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,
