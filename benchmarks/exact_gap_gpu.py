@@ -36,8 +36,6 @@ def main() -> None:
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
     from test_exact_gpu import session_cfg  # the GPU test's session: 32 prompts x 4, 96 tokens
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from colocate_rl.models.tiny import ensure_model
     from colocate_rl.session import start_session
@@ -72,14 +70,7 @@ def main() -> None:
         b1 = s.rollout.generate(samples, seed=3, temperature=1.0)
         lp1 = actor_logprobs(b1, 1.0)
         result["actor_vs_sampler_t1"] = gap(lp1, b1.rollout_logprobs, b1.loss_mask)
-        seqs = [b1.tokens[i, : int(b1.attention_mask[i].sum())].tolist() for i in range(b1.size)]
-        outs = s.rollout.llm.generate([TokensPrompt(prompt_token_ids=x) for x in seqs],
-                                      SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        prefill = torch.zeros_like(lp1)
-        for i, out in enumerate(outs):
-            for t, top in enumerate(out.prompt_logprobs):
-                if top is not None:
-                    prefill[i, t] = top[seqs[i][t]].logprob
+        prefill = s.rollout.prefill_logprobs(b1)
         result["actor_vs_vllm_prefill_t1"] = gap(lp1, prefill, b1.loss_mask)
         result["sampler_vs_vllm_prefill_t1"] = gap(b1.rollout_logprobs, prefill, b1.loss_mask)
     finally:

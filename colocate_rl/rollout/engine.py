@@ -373,6 +373,24 @@ class RolloutEngine:
                                       finish_reasons=reasons, responses=text, n=n,
                                       routed_experts=routed if self.routing is not None else None)
 
+    def prefill_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] float32: the logprob vLLM's forward gives each token of ``batch``'s rows, every row
+        scored whole in one prefill (its prompt logprobs: the model's own distribution, no
+        temperature); 0 at position 0 and at padding. Beside ``batch.rollout_logprobs`` (what the
+        sampler recorded while generating) it tells the sampler's forward from its sampling."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seqs = [batch.tokens[i, : int(batch.attention_mask[i].sum())].tolist() for i in range(batch.size)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in seqs],
+                                 SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        out = torch.zeros(batch.tokens.shape)
+        for i, o in enumerate(outs):
+            for t, top in enumerate(o.prompt_logprobs):
+                if top is not None:  # position 0: nothing before it
+                    out[i, t] = top[seqs[i][t]].logprob
+        return out
+
     # ------------------------------------------------------------------ memory
 
     def _client_dead(self) -> bool:

@@ -47,9 +47,6 @@ def session_cfg(tmp_path, model):
 
 
 def test_actor_forward_is_vllms_forward(tmp_path, tiny_model):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     cfg = session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"))
     cfg.rollout.temperature = 1.0  # vLLM's prompt logprobs are the model's own (no temperature)
     s = start_session(cfg)
@@ -57,14 +54,7 @@ def test_actor_forward_is_vllms_forward(tmp_path, tiny_model):
         batch = s.rollout.generate(s.train_samples[:8], seed=3)
         with s.handoff.actor_owned(changes_weights=False):
             actor = s.actor.compute_logprobs(batch)
-        seqs = [batch.tokens[i, : int(batch.attention_mask[i].sum())].tolist() for i in range(batch.size)]
-        outs = s.rollout.llm.generate([TokensPrompt(prompt_token_ids=x) for x in seqs],
-                                      SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        prefill = torch.zeros_like(actor)
-        for i, out in enumerate(outs):
-            for t, top in enumerate(out.prompt_logprobs):
-                if top is not None:
-                    prefill[i, t] = top[seqs[i][t]].logprob
+        prefill = s.rollout.prefill_logprobs(batch)
         scored = batch.attention_mask.clone()
         scored[:, 0] = False  # the first token has no logprob
         gap = (actor - prefill)[scored].abs()

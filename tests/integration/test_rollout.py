@@ -103,6 +103,20 @@ def test_logprobs_match_hf_fp32(engine, samples, tiny_model):
     assert max_diff(hf, b) <= 1e-4
 
 
+def test_prefill_logprobs_score_every_token_as_transformers_does(engine, samples, tiny_model):
+    """The sampler's own forward over whole rows: prompt tokens included, fp32, temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    b = engine.generate(samples, seed=4)
+    prefill = engine.prefill_logprobs(b)
+    scored = b.attention_mask.clone()
+    scored[:, 0] = False
+    assert prefill.shape == b.tokens.shape and (prefill[~scored] == 0).all()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3-tiny"), dtype=torch.float32)
+    assert float((prefill - hf_logprobs(hf, b))[scored].abs().max()) <= 1e-4
+    assert float((prefill - b.rollout_logprobs)[b.loss_mask].abs().max()) <= 1e-4
+
+
 def test_seed_reproduces_a_batch(engine, samples):
     a = engine.generate(samples[:2], seed=5)
     b = engine.generate(samples[:2], seed=5)
