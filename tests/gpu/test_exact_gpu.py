@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,26 +22,20 @@ pytest.importorskip("vllm", reason="needs vLLM's GPU build")
 pytest.importorskip("megatron.core", reason="the actor needs megatron-core")
 
 from colocate_rl import loop  # noqa: E402
-from colocate_rl.cli import preset_config  # noqa: E402
-from colocate_rl.config import Config, ModelConfig, load  # noqa: E402
+from colocate_rl.config import Config, ModelConfig  # noqa: E402
 from colocate_rl.session import start_session  # noqa: E402
 
 from batches import synthetic_batch  # noqa: E402
+from gpu_runs import run_cfg  # noqa: E402 - same folder
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 SHAPE = "qwen3-0.6b"  # head_dim 128: a FlashAttention 3 size
 
 
 def session_cfg(tmp_path, model):
-    base = preset_config(RECIPES / "qwen3_grpo.yaml", "tiny", recipe="qwen3_grpo")
-    args = {"model.path": str(model), "model.synthesize": "''", "model.dtype": "bfloat16",
-            "logging.run_dir": str(tmp_path), "logging.run_name": "exact", "logging.wandb_mode": "disabled",
-            "logging.progress": "false", "logging.plot": "false", "data.prompts_per_step": "32", "rollout.n": "4",
-            "rollout.max_response_tokens": "96", "rollout.temperature": "0.9", "rollout.multiprocess": "true",
-            "rollout.kv_cache_memory_mb": "4096", "rollout.gpu_memory_utilization": "0.3", "rollout.exact": "true",
-            "sft.steps": "0", "eval.every": "0", "checkpoint.at_end": "false", "placement.gpus_per_node": "1",
-            "placement.launcher": "local", "actor.micro_batch_size": "8", "actor.lr": "1e-5"}
-    return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
+    return run_cfg("qwen3_grpo", tmp_path, model, **{
+        "logging.run_name": "exact", "data.prompts_per_step": "32", "rollout.max_response_tokens": "96",
+        "rollout.temperature": "0.9", "rollout.kv_cache_memory_mb": "4096", "rollout.exact": "true",
+        "actor.micro_batch_size": "8", "actor.lr": "1e-5"})
 
 
 def test_actor_forward_is_vllms_forward(tmp_path, tiny_model):

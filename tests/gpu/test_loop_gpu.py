@@ -5,8 +5,6 @@ when a side hands the card over. The last test runs vLLM TP=2 and actor TP=2 on 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,26 +14,19 @@ pytest.importorskip("vllm", reason="the loop needs vLLM's GPU build")
 pytest.importorskip("megatron.core", reason="the loop needs megatron-core")
 
 from colocate_rl import loop
-from colocate_rl.cli import preset_config
-from colocate_rl.config import load
 from colocate_rl.memory import Phase
 from colocate_rl.session import start_session
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+from gpu_runs import run_cfg  # same folder
+
 CYCLE = [Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC, Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT]
 
 
 def gpu_cfg(tmp_path, model, gpus: int = 1, **over):
-    base = preset_config(RECIPES / "qwen3_grpo.yaml", "tiny", recipe="qwen3_grpo")
-    args = {"model.path": str(model), "model.synthesize": "''", "model.dtype": "float32",
-            "logging.run_dir": str(tmp_path), "logging.run_name": "gpu", "logging.wandb_mode": "disabled",
-            "logging.progress": "false", "logging.plot": "false", "data.prompts_per_step": "16", "rollout.n": "4",
-            "rollout.max_response_tokens": "16", "rollout.multiprocess": "true", "rollout.kv_cache_memory_mb": "1024",
-            "rollout.gpu_memory_utilization": "0.3", "rollout.enforce_eager": "true", "sft.steps": "0",
-            "eval.every": "0", "checkpoint.at_end": "false",
-            "placement.gpus_per_node": str(gpus), "placement.launcher": "local" if gpus == 1 else "ray",
-            "sync.verify_every": "1", "actor.offload": "all", **over}
-    return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
+    return run_cfg("qwen3_grpo", tmp_path, model, **{
+        "model.dtype": "float32", "placement.gpus_per_node": str(gpus),
+        "placement.launcher": "local" if gpus == 1 else "ray", "sync.verify_every": "1", "actor.offload": "all",
+        **over})
 
 
 def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,12 +20,11 @@ pytest.importorskip("vllm", reason="needs vLLM's GPU build (its CPU build cannot
 pytest.importorskip("megatron.core", reason="the loop needs megatron-core")
 
 from colocate_rl import loop  # noqa: E402
-from colocate_rl.cli import preset_config  # noqa: E402
-from colocate_rl.config import load  # noqa: E402
 from colocate_rl.session import start_session  # noqa: E402
 from colocate_rl.types import Sample  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+from gpu_runs import run_cfg  # noqa: E402 - same folder
+
 SHAPE = "qwen3-moe-tiny"  # 2 MoE layers, 4 experts, top-2
 
 
@@ -75,15 +72,7 @@ def test_engine_returns_the_experts_of_each_token(tiny_model):
 
 
 def session_cfg(tmp_path, model):
-    base = preset_config(RECIPES / "qwen3_moe_grpo.yaml", "tiny", recipe="qwen3_moe_grpo")
-    args = {"model.path": str(model), "model.synthesize": "''", "model.dtype": "bfloat16",
-            "logging.run_dir": str(tmp_path), "logging.run_name": "r3", "logging.wandb_mode": "disabled",
-            "logging.progress": "false", "logging.plot": "false", "data.prompts_per_step": "16", "rollout.n": "4",
-            "rollout.max_response_tokens": "16", "rollout.multiprocess": "true", "rollout.kv_cache_memory_mb": "1024",
-            "rollout.gpu_memory_utilization": "0.3", "rollout.enforce_eager": "true", "rollout.routing_replay": "true",
-            "sft.steps": "0", "eval.every": "0", "checkpoint.at_end": "false", "placement.gpus_per_node": "1",
-            "placement.launcher": "local"}
-    return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
+    return run_cfg("qwen3_moe_grpo", tmp_path, model, **{"logging.run_name": "r3", "rollout.routing_replay": "true"})
 
 
 def test_grpo_step_replays_and_replay_narrows_the_logprob_gap(tmp_path, tiny_model):
