@@ -233,13 +233,8 @@ class RolloutEngine:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             eager = True
 
-        caches = use_compile_cache(r.compile_cache)
-        if not self.on_cpu and (r.weight_quantization == "fp8" or _checkpoint_quantized(self.model_path)):
-            deep_gemm = Path(caches.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "deep_gemm"
-            if "VLLM_DEEP_GEMM_WARMUP" not in os.environ and not any(deep_gemm.glob("*")):
-                print("note: vLLM warms DeepGEMM's FP8 kernels up on a cold cache (about 28 minutes for "
-                      "DeepSeek-V4 on an H200); VLLM_DEEP_GEMM_WARMUP=skip compiles each at first use "
-                      f"instead. They are kept in {deep_gemm}", flush=True)
+        use_compile_cache(r.compile_cache)
+        quantized_checkpoint = _checkpoint_quantized(self.model_path)
 
         kwargs: dict[str, Any] = dict(
             model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,
@@ -266,7 +261,7 @@ class RolloutEngine:
             # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
             # GPUs; it runs such an engine on its V1 model runner).
             kwargs["enable_return_routed_experts"] = True
-        if r.weight_quantization == "fp8" and not _checkpoint_quantized(self.model_path):
+        if r.weight_quantization == "fp8" and not quantized_checkpoint:
             kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
         kwargs.update(r.engine_kwargs)
         kwargs.update(engine_kwargs)
@@ -280,6 +275,13 @@ class RolloutEngine:
         # without a reset a later engine would ignore VLLM_ENABLE_V1_MULTIPROCESSING.
         if hasattr(envs, "disable_envs_cache"):
             envs.disable_envs_cache()
+        if not self.on_cpu and (r.weight_quantization == "fp8" or quantized_checkpoint):
+            # Where vLLM points DeepGEMM's JIT (vllm/utils/deep_gemm.py), unless set already.
+            deep_gemm = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path(envs.VLLM_CACHE_ROOT) / "deep_gemm")
+            if "VLLM_DEEP_GEMM_WARMUP" not in os.environ and not any(deep_gemm.glob("*")):
+                print("note: vLLM warms DeepGEMM's FP8 kernels up on a cold cache (about 28 minutes for "
+                      "DeepSeek-V4 on an H200); VLLM_DEEP_GEMM_WARMUP=skip compiles each at first use "
+                      f"instead. They are kept in {deep_gemm}", flush=True)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
         if self.multiprocess:  # before the first call to it
