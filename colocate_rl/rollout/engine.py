@@ -279,7 +279,7 @@ class RolloutEngine:
             # Where vLLM points DeepGEMM's JIT (vllm/utils/deep_gemm.py), unless set already.
             deep_gemm = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path(envs.VLLM_CACHE_ROOT) / "deep_gemm")
             if "VLLM_DEEP_GEMM_WARMUP" not in os.environ and not any(deep_gemm.glob("*")):
-                print("note: vLLM warms DeepGEMM's FP8 kernels up on a cold cache (about 28 minutes for "
+                print("note: vLLM warms DeepGEMM's FP8 kernels up on a cold cache (20-30 minutes for "
                       "DeepSeek-V4 on an H200); VLLM_DEEP_GEMM_WARMUP=skip compiles each at first use "
                       f"instead. They are kept in {deep_gemm}", flush=True)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
