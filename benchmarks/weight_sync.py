@@ -10,6 +10,10 @@ crosses a process boundary as on a real run. Reported per sync: seconds and GB/s
 reported apart), of packing alone, and of a memcpy of the
 same tensors into one preallocated buffer; the ratio sync/memcpy says what the path costs over
 the copy it cannot avoid. Writes benchmarks/results/weight_sync_<device>.json.
+
+On a GPU each round syncs twice, through vLLM's ``load_weights`` and by replaying the copies it
+recorded (``sync.direct``, rollout/copy_plan.py), and the engine's whole state after each is
+compared. ``--in-process`` runs vLLM in this process, as the colocated recipes on one GPU do.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--bucket-mb", type=float, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--in-process", action="store_true", help="vLLM in this process (colocated, one GPU)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -146,41 +151,74 @@ def main() -> None:
     cfg = Config()
     cfg.model.path, cfg.model.dtype = str(path), args.dtype
     cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens, cfg.rollout.kv_cache_memory_mb = 16, 16, 64
+    if device == "cuda":
+        cfg.rollout.gpu_memory_utilization, cfg.rollout.enforce_eager = 0.5, True
     t0 = time.perf_counter()
-    engine = RolloutEngine(cfg, multiprocess=True)
+    engine = RolloutEngine(cfg, multiprocess=not args.in_process)
     start_s = time.perf_counter() - t0
-    # Interleaved, so that all three see the same machine load (other jobs share small CI boxes).
+    # Direct loading applies to unquantized GPU engines only (CPU engines reload layer by layer).
+    paths = {"load_weights": False, "direct": True} if device == "cuda" else {"load_weights": False}
+    # Interleaved, so that all of them see the same machine load (other jobs share small CI boxes).
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    syncs, packs, copies = [], [], []
+    syncs: dict[str, list] = {p: [] for p in paths}
+    packs, copies, first_direct, states = [], [], None, {}
     try:
+        if "direct" in paths:  # the first direct sync records the copies: timed apart
+            engine.cfg.sync.direct = True
+            first_direct = engine.update_weights(tensors.items(), bucket_mb=args.bucket_mb).seconds
         for i in range(args.repeats):
             copies.append(min(memcpy_seconds(tensors, dst) for _ in range(2)))  # warm: the floor
             packs.append(pack_seconds(tensors, args.bucket_mb, device))
-            stats = engine.update_weights(tensors.items(), bucket_mb=args.bucket_mb)
-            syncs.append(stats)
-            print(f"round {i}: sync {stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s, {stats.buckets} buckets, "
-                  f"{stats.receiver_seconds:.3f} s inside the engine); pack alone {packs[-1]:.3f} s; "
-                  f"memcpy {copies[-1]:.3f} s")
+            for path_name, direct in paths.items():
+                engine.cfg.sync.direct = direct
+                stats = engine.update_weights(tensors.items(), bucket_mb=args.bucket_mb)
+                syncs[path_name].append(stats)
+                print(f"round {i} {path_name}: sync {stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s, "
+                      f"{stats.buckets} buckets, {stats.receiver_seconds:.3f} s inside the engine)")
+                if i == 0 and device == "cuda":
+                    states[path_name] = engine.state_checksums()
+            print(f"round {i}: pack alone {packs[-1]:.3f} s; memcpy {copies[-1]:.3f} s")
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         got = engine.checksum(names)
         assert all(got[n] == tensor_checksum(tensors[n]) for n in names), f"engine weights differ after sync: {got}"
+        if len(states) == 2:
+            assert states["direct"] == states["load_weights"], "direct loading left another state than load_weights"
+        direct_stats = engine.direct_load_stats()[0] if "direct" in paths else {}
     finally:
         engine.shutdown()
     med = statistics.median
-    sync_s, pack_s, copy_s = med(s.seconds for s in syncs), med(packs), med(copies)
+    sync_s = {p: med(s.seconds for s in v) for p, v in syncs.items()}
+    pack_s, copy_s = med(packs), med(copies)
+    main_path = "direct" if "direct" in paths else "load_weights"
     result = {
         "model": path.name, "shape": BENCH_SHAPE if args.model == "bench" else args.model, "dtype": args.dtype,
-        "bytes": nbytes, "tensors": len(tensors), "bucket_mb": args.bucket_mb, "buckets": syncs[0].buckets,
-        "engine_start_s": round(start_s, 1), "engine": "vLLM multiprocess (engine core + worker in own processes)",
-        "sync_s": [round(s.seconds, 4) for s in syncs], "sync_gb_per_s": round(nbytes / sync_s / 1e9, 3),
-        "engine_side_s": [round(s.receiver_seconds, 4) for s in syncs],
+        "bytes": nbytes, "tensors": len(tensors), "bucket_mb": args.bucket_mb, "buckets": syncs[main_path][0].buckets,
+        "engine_start_s": round(start_s, 1),
+        "engine": "vLLM in this process" if args.in_process else "vLLM multiprocess (engine core + worker in own processes)",
+        "sync_path": main_path,
+        "sync_s": [round(s.seconds, 4) for s in syncs[main_path]],
+        "sync_gb_per_s": round(nbytes / sync_s[main_path] / 1e9, 3),
+        "engine_side_s": [round(s.receiver_seconds, 4) for s in syncs[main_path]],
         "pack_s": [round(x, 4) for x in packs], "pack_gb_per_s": round(nbytes / pack_s / 1e9, 3),
         "memcpy_s": [round(x, 4) for x in copies], "memcpy_gb_per_s": round(nbytes / copy_s / 1e9, 3),
         "stat": "median over rounds",
-        "sync_over_memcpy": round(sync_s / copy_s, 2), "checksums_equal": True, "machine": machine_info(),
+        "sync_over_memcpy": round(sync_s[main_path] / copy_s, 2), "checksums_equal": True, "machine": machine_info(),
     }
-    print(f"median sync {sync_s:.3f} s ({result['sync_gb_per_s']} GB/s); pack alone {pack_s:.3f} s; "
-          f"memcpy {copy_s:.3f} s ({result['memcpy_gb_per_s']} GB/s); sync/memcpy = {result['sync_over_memcpy']}x")
+    if "direct" in paths:
+        result |= {
+            "load_weights_sync_s": [round(s.seconds, 4) for s in syncs["load_weights"]],
+            "load_weights_engine_side_s": [round(s.receiver_seconds, 4) for s in syncs["load_weights"]],
+            "load_weights_sync_gb_per_s": round(nbytes / sync_s["load_weights"] / 1e9, 3),
+            "direct_over_load_weights_speedup": round(sync_s["load_weights"] / sync_s["direct"], 2),
+            "direct_first_sync_s": round(first_direct, 4), "direct_names": direct_stats,
+            "engine_state_equal_after_both_paths": True,
+        }
+        print(f"load_weights: median sync {sync_s['load_weights']:.3f} s "
+              f"({result['load_weights_sync_gb_per_s']} GB/s); direct is {result['direct_over_load_weights_speedup']}x "
+              f"faster (its first, recording sync: {first_direct:.3f} s); names {direct_stats}")
+    print(f"median sync {sync_s[main_path]:.3f} s ({result['sync_gb_per_s']} GB/s, {main_path}); pack alone "
+          f"{pack_s:.3f} s; memcpy {copy_s:.3f} s ({result['memcpy_gb_per_s']} GB/s); "
+          f"sync/memcpy = {result['sync_over_memcpy']}x")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"weight_sync_{'gpu' if device == 'cuda' else 'cpu'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

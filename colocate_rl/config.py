@@ -150,6 +150,9 @@ class SyncConfig:
 
     bucket_mb: int = 256  # bucket size (one IPC handle, or one broadcast, per bucket)
     verify_every: int = 0  # syncs; compare checksums of the family's verified tensors, actor vs engine
+    # Unquantized GPU engines: replay the copies vLLM's load_weights made at the first sync instead
+    # of calling it again (rollout/copy_plan.py); false: load_weights at every sync.
+    direct: bool = True
     timeout_s: float = 600.0  # disaggregated mode: a weight broadcast waiting longer than this fails
 
 

@@ -441,7 +441,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
 
     def begin_weight_sync(self) -> None:
-        self._rpc("begin_weight_sync")
+        self._rpc("begin_weight_sync", self.cfg.sync.direct)
         self._syncing = True
 
     def load_message(self, message: Message) -> list[dict[str, float]]:
@@ -515,6 +515,14 @@ class RolloutEngine:
         from colocate_rl.weight_sync.verify import combine_worker_checksums
 
         return combine_worker_checksums(self._rpc("checksum", list(names)))
+
+    def state_checksums(self) -> list[dict[str, float]]:
+        """Per worker: tensor_checksum of every parameter and buffer of its model, by vLLM's names."""
+        return self._rpc("state_checksums")
+
+    def direct_load_stats(self) -> list[dict[str, int]]:
+        """Per worker: checkpoint names loaded by replayed copies vs through load_weights (copy_plan)."""
+        return self._rpc("direct_load_stats")
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v) for k, v in self._rpc("weight_shapes")[0].items()}

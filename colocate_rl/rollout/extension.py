@@ -14,7 +14,9 @@ buckets from a broadcast group instead (``init_weight_broadcast`` once, then
 
 Loading differs by platform:
 - GPU: ``model.load_weights`` copies each tensor (or its shard) into the live parameters; fused
-  q/k/v and gate/up shards land independently, so buckets may split them.
+  q/k/v and gate/up shards land independently, so buckets may split them. The copies it makes for a
+  name are recorded at that name's first sync and replayed afterwards without the loaders
+  (rollout/copy_plan.py; ``sync.direct``).
 - CPU, and quantized engines (FP8, DeepSeek-V4's FP8 + MXFP4): the linear layers' weights were
   repacked into kernel formats at load time (CPU GEMMs; FP8 scale packing, MXFP4 expert re-layout),
   so a byte copy or ``load_weights`` into them is wrong. vLLM's layerwise reload restores each layer
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from colocate_rl.rollout.copy_plan import CopyPlan
 from colocate_rl.rollout.reload import LayerwiseSync, vllm_name
 from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
@@ -126,7 +129,8 @@ class WeightReceiver:
                           and not (st["tied"] and n == "lm_head.weight")}
         st["discarded"] = True
 
-    def begin_weight_sync(self) -> None:
+    def begin_weight_sync(self, direct: bool = True) -> None:
+        """``direct``: replay recorded copies where the engine loads with plain copies (copy_plan)."""
         from vllm.config import set_current_vllm_config
 
         st = self._crl_state()
@@ -145,6 +149,10 @@ class WeightReceiver:
             st["reload"] = LayerwiseSync(self._crl_model(), discarded=st["discarded"])
             with set_current_vllm_config(self.vllm_config):
                 st["reload"].begin()
+        elif direct and "copy_plan" not in st:
+            model = self._crl_model()
+            st["copy_plan"] = CopyPlan(model, lambda named: model.load_weights(iter(named)))
+        st["direct"] = direct
         st["active"], st["received"] = True, set()
 
     def update_weights_from_ipc(self, message: Message) -> dict[str, float]:
@@ -307,12 +315,27 @@ class WeightReceiver:
     def _crl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
 
-        reload = self._crl_state().get("reload")
+        st = self._crl_state()
+        reload = st.get("reload")
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if reload is not None:
                 reload.load(named)
+            elif st["direct"]:
+                st["copy_plan"].load(named)
             else:
                 self._crl_model().load_weights(iter(named))
+
+    def direct_load_stats(self) -> dict[str, int]:
+        """How many checkpoint names load by replayed copies, how many through load_weights."""
+        plan = self._crl_state().get("copy_plan")
+        return plan.stats() if plan is not None else {"direct": 0, "load_weights": 0, "enabled": 0}
+
+    def state_checksums(self) -> dict[str, float]:
+        """tensor_checksum of every parameter and buffer of the engine's model, by vLLM's names
+        (fused and sharded as vLLM holds them): two engines, or one engine before and after a
+        sync, compare whole."""
+        model = self._crl_model()
+        return {n: tensor_checksum(t) for n, t in (*model.named_parameters(), *model.named_buffers())}
 
     def _crl_fix_cpu_after_reload(self) -> None:
         """What vLLM 0.32's CPU layerwise reload leaves stale.

@@ -48,7 +48,7 @@ def _flush(pending: list[tuple[str, torch.Tensor]], alloc: Alloc) -> Bucket:
     metas, offset = [], 0
     for name, t in pending:
         n = t.numel()
-        flat[offset : offset + n].copy_(t.reshape(-1))
+        flat[offset : offset + n].view(t.shape).copy_(t)  # strided sources in one copy (reshape would copy first)
         metas.append(TensorMeta(name, tuple(t.shape), t.dtype, offset, n))
         offset += n
     return Bucket(flat, metas)

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import torch
 
+_CHUNK = 1 << 24
+
 
 def tensor_checksum(t: torch.Tensor, offset: int = 0) -> float:
     """Position-weighted float64 sum: sum_i x_i * (1 + (offset + i) % 251). A permutation or a changed
     element changes it (a plain sum misses swapped rows). Equal within float64 rounding of the same
     values. ``offset``: the flat index of t's first element in a larger tensor, so the checksums of
     row blocks (tensor-parallel shards) add up to the whole tensor's."""
-    x = t.detach().reshape(-1).to(torch.float64)
-    w = ((torch.arange(x.numel(), device=x.device) + offset) % 251 + 1).to(torch.float64)
-    return float((x * w).sum())
+    x = t.detach().reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.numel(), _CHUNK):  # in chunks: a whole 8B model's embedding in float64 is 5 GB
+        part = x[start : start + _CHUNK].to(torch.float64)
+        w = ((torch.arange(part.numel(), device=x.device) + offset + start) % 251 + 1).to(torch.float64)
+        total += (part * w).sum()
+    return float(total)
 
 
 def combine_worker_checksums(per_worker: list[dict[str, tuple[float, bool]]]) -> dict[str, float]:

@@ -259,3 +259,30 @@ def test_refusals_keep_old_weights(tied):
     )
     _assert_refused(tied, message, r"model.layers.1.post_attention_layernorm.weight.*\(65,\)")
     sender.release()
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_direct_loading_equals_load_weights(which, request, tiny_model, tmp_path):
+    """Three syncs in a row: through vLLM's load_weights, then the same engine with replayed copies
+    (rollout/copy_plan.py) of other weights, then of the first weights again: the engine's whole
+    state (every parameter, fused as vLLM holds it) equals the load_weights sync's, and generation
+    matches the model sent."""
+    eng = request.getfixturevalue(which)
+    path = tiny_model({"dense": "qwen3-tiny", "moe": "qwen3-moe-tiny"}[which])
+    first, first_tensors = perturbed(path, tmp_path / "a", seed=20)
+    other, other_tensors = perturbed(path, tmp_path / "b", seed=21)
+    try:
+        eng.cfg.sync.direct = False
+        eng.update_weights(first_tensors.items(), bucket_mb=0.05)
+        want = eng.state_checksums()
+        eng.cfg.sync.direct = True
+        eng.update_weights(other_tensors.items(), bucket_mb=0.05)
+        assert eng.state_checksums() != want, "control: other weights, another state"
+        assert max_diff(other, eng.generate(samples(eng), seed=4)) <= TOL
+        eng.update_weights(first_tensors.items(), bucket_mb=0.05)
+        assert eng.state_checksums() == want
+        assert max_diff(first, eng.generate(samples(eng), seed=5)) <= TOL
+        (stats,) = eng.direct_load_stats()
+        assert stats == {"direct": len(first_tensors), "load_weights": 0, "enabled": 1}, stats
+    finally:
+        eng.cfg.sync.direct = True

@@ -1,0 +1,138 @@
+"""Direct weight loading: the copies vLLM's ``load_weights`` makes, recorded once, replayed per sync.
+
+Into an unquantized GPU engine a sync ends in ``model.load_weights``: per tensor, Python walks the
+model's name mapping (stacked q/k/v and gate/up, expert tables), finds the parameter and calls its
+weight loader, which narrows the incoming tensor to this worker's shard and copies it into a slice
+of the live parameter. Those copies are the same at every sync: same names, same slices. So the
+first time a name arrives it goes through ``load_weights`` under a dispatch mode that records each
+copy into the model's storage as (destination view, source view relative to the incoming tensor);
+from then on that name is one ``copy_`` per recorded slice, with no loader in between.
+
+A name is replayed only if everything its loader wrote into the model was a plain copy of the
+incoming tensor's own elements (constant fills, such as the zeroed rows that pad a vocabulary
+shard, are left as they are: nothing else writes them). A loader that computes (scales, casts into
+a temporary, concatenates), writes the model another way, or copies the incoming tensor anywhere
+but into the model, keeps that name on ``load_weights``. A loader that swaps a parameter's storage
+ends direct loading for the engine: the recorded views would point at storage the model dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Named = list[tuple[str, torch.Tensor]]
+
+_aten = torch.ops.aten
+_FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
+
+
+@dataclass(frozen=True)
+class _Copy:
+    dst: torch.Tensor  # a view of the model's storage
+    offset: int  # the source's first element, counted from the incoming tensor's first element
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _storages(model: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] storage element a strided view touches (non-negative strides)."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return t.storage_offset(), last
+
+
+class _Recorder(TorchDispatchMode):
+    """Watches every op while one incoming tensor ``src`` is loaded: copies of it into ``owned``
+    storage are kept; anything that makes replaying them incomplete clears ``replayable``."""
+
+    def __init__(self, owned: set[int], src: torch.Tensor) -> None:
+        super().__init__()
+        self.owned, self.src = owned, src
+        self.ptr = src.untyped_storage().data_ptr()
+        self.lo, self.hi = src.storage_offset(), src.storage_offset() + src.numel() - 1
+        self.copies: list[_Copy] = []
+        self.replayable = True
+
+    def _from_src(self, t: object) -> bool:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() != self.ptr:
+            return False
+        lo, hi = _span(t)
+        return self.lo <= lo and hi <= self.hi
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.replayable:
+            self._note(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _note(self, func, args, kwargs) -> None:
+        values = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        written = [values.get(a.name) for a in func._schema.arguments if a.alias_info is not None
+                   and a.alias_info.is_write]
+        written = [t for t in written if isinstance(t, torch.Tensor)]
+        if not written:
+            return
+        into_model = any(t.untyped_storage().data_ptr() in self.owned for t in written)
+        reads_src = any(self._from_src(v) for v in values.values())
+        if func is _aten.copy_.default and reads_src:
+            dst, src = args[0], args[1]
+            if into_model and src.dtype == self.src.dtype:
+                self.copies.append(_Copy(dst, src.storage_offset() - self.src.storage_offset(),
+                                         tuple(src.shape), tuple(src.stride())))
+            else:
+                self.replayable = False  # incoming data copied elsewhere: a loader that computes
+        elif into_model and not (func in _FILLS and not reads_src):
+            self.replayable = False
+        elif reads_src and not into_model:
+            self.replayable = False  # e.g. a cast of the incoming tensor into a temporary
+
+
+class CopyPlan:
+    """Loads named tensors into ``model``: replayed copies for names seen before, ``load`` (the
+    model's own ``load_weights``) for the rest, recording what it does the first time.
+
+    ``seconds``-free and stateless across engines: one plan per live model."""
+
+    def __init__(self, model: torch.nn.Module, load: Callable[[Named], None]) -> None:
+        self.model, self._load = model, load
+        self.copies: dict[str, list[_Copy]] = {}
+        self.slow: set[str] = set()  # names whose loader does more than copy
+        self.enabled = True
+        self._owned = _storages(model)
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        rest: Named = []
+        for name, t in named:
+            copies = self.copies.get(name) if self.enabled and t.is_contiguous() else None
+            if copies is not None:
+                base = t.storage_offset()
+                for c in copies:
+                    c.dst.copy_(t.as_strided(c.size, c.stride, base + c.offset))
+            elif self.enabled and name not in self.slow and t.is_contiguous():
+                self._record(name, t)
+            else:
+                rest.append((name, t))
+        if rest:
+            self._load(rest)
+
+    def _record(self, name: str, t: torch.Tensor) -> None:
+        rec = _Recorder(self._owned, t)
+        with rec:
+            self._load([(name, t)])
+        if _storages(self.model) != self._owned:
+            # A loader replaced a parameter's storage: recorded views may point at dropped memory.
+            self.enabled, self.copies = False, {}
+        elif rec.replayable:
+            self.copies[name] = rec.copies
+        else:
+            self.slow.add(name)
+
+    def stats(self) -> dict[str, int]:
+        return {"direct": len(self.copies), "load_weights": len(self.slow), "enabled": int(self.enabled)}

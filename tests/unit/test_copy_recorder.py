@@ -1,0 +1,64 @@
+"""The copy recorder/replayer (rollout/copy_plan.py) on loaders written the ways vLLM's are: shards
+narrowed out of the incoming tensor, slices of a fused parameter, constant padding, a loader that
+computes, and one that swaps a parameter's storage. Real vLLM loaders: tests/integration/test_copy_plan.py."""
+
+from __future__ import annotations
+
+import torch
+
+from colocate_rl.rollout.copy_plan import CopyPlan
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4))
+        self.norm = torch.nn.Parameter(torch.zeros(4))
+        self.embed = torch.nn.Parameter(torch.zeros(5, 4))  # 3 rows of this shard + 2 padding rows
+        self.swap = False
+
+    def load_weights(self, named) -> None:
+        for name, t in named:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, 2 * "qkv".index(name), 2).copy_(t)
+            elif name == "norm":
+                self.norm.data.copy_(t * 2)  # computes: must stay on load_weights
+            elif name == "embed":
+                self.embed.data[:3].copy_(t[1:4])  # this rank's rows of the incoming tensor
+                self.embed.data[3:].fill_(0)
+            elif name == "out" and self.swap:
+                self.norm.data = t.clone()
+
+
+def bucket(seed: int) -> list[tuple[str, torch.Tensor]]:
+    flat = torch.randn(3 * 8 + 4 + 16, generator=torch.Generator().manual_seed(seed))
+    views = [flat[i * 8 : (i + 1) * 8].view(2, 4) for i in range(3)]
+    return [*zip("qkv", views), ("norm", flat[24:28]), ("embed", flat[28:44].view(4, 4))]
+
+
+def test_replay_equals_the_loaders_and_computing_loaders_stay_on_them():
+    model = Model()
+    plan = CopyPlan(model, model.load_weights)
+    for seed in range(3):
+        named = bucket(seed)
+        plan.load(named)
+        ref = Model()
+        ref.load_weights(named)
+        for (name, got), (_, want) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(got, want), (seed, name)
+    assert plan.copies.keys() == {"q", "k", "v", "embed"} and plan.slow == {"norm"}
+    assert plan.copies["embed"][0].offset == 4, "the shard starts one row into the incoming tensor"
+
+
+def test_a_loader_that_swaps_storage_ends_direct_loading():
+    model = Model()
+    plan = CopyPlan(model, model.load_weights)
+    plan.load(bucket(0))
+    model.swap = True
+    plan.load([("out", torch.ones(4))])
+    assert not plan.enabled and not plan.copies
+    named = bucket(1)
+    plan.load(named)  # all through load_weights now, still right
+    ref = Model()
+    ref.load_weights(named)
+    assert torch.equal(model.qkv, ref.qkv) and torch.equal(model.embed, ref.embed)
