@@ -269,6 +269,11 @@ class RolloutEngine:
 
         self.multiprocess = r.multiprocess if multiprocess is None else multiprocess
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocess else "0"
+        if self.multiprocess and not self.on_cpu:
+            # vLLM forks its engine core unless it finds CUDA initialized here; an engine started
+            # before anything else touched the GPU got a forked child that then failed with "Cannot
+            # re-initialize CUDA in forked subprocess" (measured on an H200). Spawn always.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm.envs as envs
 
         # An in-process engine caches vLLM's env vars for the whole process (enable_envs_cache);

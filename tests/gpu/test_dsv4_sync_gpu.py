@@ -2,8 +2,9 @@
 released-format checkpoint (FP8 e4m3 128x128 blocks with ue8m0 scales, MXFP4 routed experts)
 receives new bf16 weights quantized on the sender (weight_sync/quantize.py) three times in a row,
 each after a sleep at level 2 (which discards every tensor it holds) and a wake of its weights;
-after each sync it must sample what an engine started from a checkpoint of those same weights
-samples: the same tokens, logprobs within 1e-3. That holds only if every quantized layer's post-load
+after each sync its forward must be that of an engine started from a checkpoint of those same
+weights: both score the same sequences (what the synced engine sampled, as one prefill each) within
+1e-3 per token. That holds only if every quantized layer's post-load
 processing (FP8 scale packing, MXFP4 expert re-layout) ran on the complete new weights, and the
 tensors vLLM's DeepSeek-V4 loader writes around its weight loaders (attention sinks) or never
 receives (hash-routing tables) came through the reload (rollout/reload.py).
@@ -101,11 +102,15 @@ def engine(path):
 
 
 def sample(eng):
-    b = eng.generate(prompts(), n=N, max_tokens=MAX_TOKENS, seed=7)
-    return b.tokens, b.rollout_logprobs, b.loss_mask
+    return eng.generate(prompts(), n=N, max_tokens=MAX_TOKENS, seed=7)
 
 
-def test_three_syncs_sample_as_engines_started_from_the_same_weights(tmp_path):
+def gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    d = (a - b)[mask].abs()
+    return float(d.mean()), float(d.max())
+
+
+def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
     from colocate_rl.models.deepseek_v4 import synth
     from colocate_rl.weight_sync.quantize import quantize_named, sync_plan
 
@@ -121,7 +126,7 @@ def test_three_syncs_sample_as_engines_started_from_the_same_weights(tmp_path):
         held = synth.quantize_released(start, hf)
         assert set(plan) == {n for n in held if n.endswith(".weight") and n[:-6] + "scale" in held}
         assert {"fp8_ue8m0", "mxfp4"} == set(plan.values())
-        before = sample(eng)
+        start_batch = sample(eng)
         for target in targets:
             # As the colocated handoff does: sleep at level 2 discards every tensor the engine holds,
             # so the sync must give each one back (the frozen routing state too).
@@ -131,22 +136,30 @@ def test_three_syncs_sample_as_engines_started_from_the_same_weights(tmp_path):
             stats = eng.update_weights(quantize_named(iter(sent), plan), bucket_mb=16)  # many buckets
             eng.wake(["kv_cache"])
             assert stats.bytes > 0
-            synced.append(sample(eng))
+            batch = sample(eng)
+            synced.append((batch, eng.prefill_logprobs(batch)))
+        third = eng.prefill_logprobs(synced[0][0])  # sync 3's weights on sync 1's sequences: the control
     finally:
         eng.shutdown()
 
-    refs = []
-    for k, target in enumerate(targets, 1):
+    # Sampled tokens are compared for the record only: at temperature 1 a logprob off by 1e-4 may
+    # flip a draw, and every later token of that row then differs. The forward is compared on the
+    # same sequences, scored whole by both engines.
+    for k, (target, (batch, scores)) in enumerate(zip(targets, synced), 1):
         ref = engine(write(tmp_path / f"target{k}", hf, target))
         try:
-            refs.append(sample(ref))
+            want = ref.prefill_logprobs(batch)
+            drawn = sample(ref).tokens
+            w = min(drawn.shape[1], batch.tokens.shape[1])
+            same_tokens = float((drawn[:, :w] == batch.tokens[:, :w])[batch.loss_mask[:, :w]].float().mean())
         finally:
             ref.shutdown()
-
-    mask = refs[0][2]
-    control = not torch.equal(before[0], refs[0][0]) or float((before[1] - refs[0][1])[mask].abs().max()) > 0.05
-    assert control, "control: the engine's starting weights sample differently from the first target"
-    for k, (got, want) in enumerate(zip(synced, refs), 1):
-        assert torch.equal(got[0], want[0]), f"sync {k}: the synced engine samples other tokens than the checkpoint's"
-        diff = float((got[1] - want[1])[want[2]].abs().max())
-        assert diff <= 1e-3, f"sync {k}: max |logprob diff| {diff} against the engine started from the checkpoint"
+        mean, worst = gap(scores, want, batch.loss_mask)
+        print(f"sync {k}: prefill |logprob diff| mean {mean:.2e} max {worst:.2e}; the same sampled tokens as "
+              f"the checkpoint's engine: {same_tokens:.1%}", flush=True)
+        if k == 1:
+            control = gap(third, want, batch.loss_mask)[1]
+            print(f"control: sync 3's weights against sync 1's checkpoint: max {control:.2e}", flush=True)
+            assert control > 0.05, "control: other weights score the same sequences differently"
+        assert worst <= 1e-3, f"sync {k}: max |logprob diff| {worst:.2e} against the engine started from the checkpoint"
+    assert not torch.equal(start_batch.tokens, synced[0][0].tokens), "control: the first sync changed what is sampled"
