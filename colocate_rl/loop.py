@@ -97,6 +97,9 @@ def step(s: Session, last: bool = False) -> dict:
         "rollout/tokens_per_s": int(batch.response_lens.sum()) / max(t.seconds["generate"], 1e-9),
         "sync/bytes": sync.bytes,
         "sync/GBps": sync.bytes / max(sync.seconds, 1e-9) / 1e9,
+        # Where a sync's seconds go: the actor's export and packing, the engines' loading.
+        "sync/pack_s": sync.pack_seconds,
+        "sync/engine_s": sync.receiver_seconds,
         **t.metrics(),
         "time/step": sum(t.seconds.values()),
     }

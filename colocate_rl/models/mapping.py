@@ -72,6 +72,8 @@ def unshard(spec: ParamSpec, shards: list[torch.Tensor]) -> list[tuple[str, torc
         return [(spec.hf[0], full)]
     if spec.kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
+        if len(halves) == 1:  # views: a cat of one tensor would copy two thirds of an MLP for nothing
+            return [(spec.hf[0], halves[0][0]), (spec.hf[1], halves[0][1])]
         return [(spec.hf[0], torch.cat([h[0] for h in halves])), (spec.hf[1], torch.cat([h[1] for h in halves]))]
     if spec.kind == "qkv":
         heads, groups, hd = spec.qkv

@@ -68,6 +68,7 @@ class SyncStats:
     seconds: float = 0.0  # wall time of the whole sync, sender side
     buckets: int = 0
     receiver_seconds: float = 0.0  # of which spent inside the receivers (map, check, load), when reported
+    pack_seconds: float = 0.0  # of which spent producing buckets: the sender's export and the copies in
 
     @property
     def gb_per_s(self) -> float:
@@ -76,7 +77,7 @@ class SyncStats:
     def __add__(self, other: "SyncStats") -> "SyncStats":
         return SyncStats(
             self.bytes + other.bytes, self.seconds + other.seconds, self.buckets + other.buckets,
-            self.receiver_seconds + other.receiver_seconds,
+            self.receiver_seconds + other.receiver_seconds, self.pack_seconds + other.pack_seconds,
         )
 
 
@@ -205,8 +206,14 @@ class IpcSender:
         then frees it. E.g. ``send = lambda m: llm.collective_rpc("update_weights_from_ipc", args=(m,))``."""
         stats = SyncStats()
         t0 = time.perf_counter()
+        buckets = iter(self.buckets(named_tensors, bucket_mb))
         try:
-            for bucket in self.buckets(named_tensors, bucket_mb):
+            while True:
+                t = time.perf_counter()
+                bucket = next(buckets, None)
+                stats.pack_seconds += time.perf_counter() - t
+                if bucket is None:
+                    break
                 send(self.make_message(bucket))
                 stats.bytes += bucket.nbytes
                 stats.buckets += 1
