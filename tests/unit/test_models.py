@@ -144,3 +144,29 @@ def test_specs_cover_each_hf_tensor_once(shape):
     per_layer = 11 + (3 * experts - 3 + 1 if experts else 0)  # norms, q/k/v/o, q/k norms, mlp (+router)
     assert len(exported) == 2 + n_layers * per_layer + (0 if hf["tie_word_embeddings"] else 1)
     assert ("lm_head.weight" in exported) != hf["tie_word_embeddings"]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-moe-tiny", "qwen3-tiny-tied"])
+def test_large_shapes_draw_weights_directly_as_transformers_would_save_them(tmp_path, monkeypatch, shape):
+    """Shapes of 1B+ parameters skip transformers' one-core init: the same tensors, names and
+    dtypes as save_pretrained writes, norms at one, N(0, 0.02) elsewhere, set by the seed alone."""
+    from safetensors.torch import load_file
+
+    from colocate_rl.models import tiny
+
+    assert tiny._parameter_count(tiny.SHAPES["qwen3-8b"]) == pytest.approx(8.19e9, rel=0.01)
+    assert tiny._parameter_count(tiny.SHAPES["qwen3-30b-a3b"]) == pytest.approx(30.5e9, rel=0.01)
+    want = load_file(str(tiny.build_model(shape, tmp_path / "hf", dtype="bfloat16") / "model.safetensors"))
+    monkeypatch.setattr(tiny, "DIRECT_INIT_PARAMS", 0)
+    monkeypatch.setattr(tiny, "_CHUNK", 1000)  # several chunks per tensor, several threads
+    got = [load_file(str(tiny.build_model(shape, tmp_path / f"d{i}", seed=s, dtype="bfloat16") / "model.safetensors"))
+           for i, s in enumerate((0, 0, 1))]
+    assert {k: (v.shape, v.dtype) for k, v in got[0].items()} == {k: (v.shape, v.dtype) for k, v in want.items()}
+    assert all(torch.equal(got[0][k], got[1][k]) for k in want), "the same seed draws the same weights"
+    assert not torch.equal(got[0]["model.embed_tokens.weight"], got[2]["model.embed_tokens.weight"])
+    for name, t in got[0].items():
+        if name.endswith("norm.weight"):
+            assert bool((t == 1).all()), name
+        else:
+            assert float(t.float().std()) == pytest.approx(0.02, rel=0.1), name
+    assert (tmp_path / "d0" / "config.json").is_file()
