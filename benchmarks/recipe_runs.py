@@ -90,15 +90,19 @@ def main() -> None:
         cmd = [sys.executable, args.recipe, *args.base, *extra.split(), f"logging.run_dir={args.run_dir}",
                f"logging.run_name={name}", "logging.progress=false", "logging.wandb_mode=disabled"]
         print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+        log = Path(args.run_dir) / f"{name}.log"  # written as the run goes: a run cut short keeps it
+        log.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with open(log, "w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
         wall = time.perf_counter() - t0
         run = {"command": " ".join(["python", *cmd[1:]]), "exit_code": proc.returncode, "wall_s": round(wall, 1),
                **collect(Path(args.run_dir) / name)}
         stepped = sum(s["step_s"] or 0 for s in run["steps"])
         run["outside_steps_s"] = round(wall - stepped, 1) if run["steps"] else None  # start-up and shutdown
+        run["log"] = str(log)
         if proc.returncode:
-            run["output_tail"] = proc.stdout[-3000:]
+            run["output_tail"] = log.read_text(errors="replace")[-3000:]
         print(f"[{name}] exit {proc.returncode} after {wall:.0f} s, {len(run['steps'])} step(s)", flush=True)
         result["runs"][name] = run
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # what ran so far survives a later crash
