@@ -96,9 +96,8 @@ class _Recorder(TorchDispatchMode):
 
 class CopyPlan:
     """Loads named tensors into ``model``: replayed copies for names seen before, ``load`` (the
-    model's own ``load_weights``) for the rest, recording what it does the first time.
-
-    ``seconds``-free and stateless across engines: one plan per live model."""
+    model's own ``load_weights``) for the rest, recording what it does the first time. One plan per
+    live model: the recorded destinations are views of its storage."""
 
     def __init__(self, model: torch.nn.Module, load: Callable[[Named], None]) -> None:
         self.model, self._load = model, load
