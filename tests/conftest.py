@@ -19,6 +19,12 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # First generate otherwise spends 15-19 s in torch.compile on CPU.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# One intra-op thread per process (before torch is imported; the processes the tests start inherit
+# it): two pytest-xdist workers, a test's spawned ranks and engine processes share 2 cores, and
+# torch's default of one thread per core had them spin-waiting on each other (three modules of
+# spawned ranks measured 244 s with it, 164 s without, side by side on two workers). The tiny
+# models gain nothing from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
