@@ -69,6 +69,15 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+def pytest_ignore_collect(collection_path, config):
+    # scripts/test.sh's Ray phase imports only the Ray modules, the other phase all but them:
+    # collecting the whole tree imports torch, vLLM and megatron-core into the process (~20 s).
+    phase = os.environ.get("TEST_RAY_MODULES", "")
+    if phase in ("skip", "only") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return (collection_path.name in RAY_MODULES) != (phase == "only") or None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     # scripts/test.sh's two phases: TEST_RAY_MODULES=skip (the rest, on xdist workers), then =only
     # (the Ray modules alone: a Ray node waits a fixed 30 s for its raylet, which a loaded machine
