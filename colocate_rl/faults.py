@@ -5,9 +5,10 @@ onload, train, offload, wake_weights, sync, wake_kv, checkpoint. Nothing happens
 asks for it:
 
 - in-process: ``on(hook)`` registers ``hook(name, step)`` (the tests kill the engine at a phase);
-- across processes: ``COLOCATE_RL_FAULT=kill@<name>:<step>`` SIGKILLs this process at that point
-  of that step, in the first attempt of a supervised run only (``COLOCATE_RL_ATTEMPT`` unset or 0),
-  so the restarted run gets past it (the supervisor drill in tests/integration/test_supervisor.py).
+- across processes: ``COLOCATE_RL_FAULT=<signal>@<name>:<step>`` sends this process a signal at that
+  point of that step: ``kill`` (SIGKILL, a crash) or ``int`` (SIGINT, a Ctrl-C), in the first attempt
+  of a supervised run only (``COLOCATE_RL_ATTEMPT`` unset or 0), so the restarted run gets past it
+  (the supervisor and Ctrl-C drills in tests/integration/test_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 
 Hook = Callable[[str, int], None]
 _hooks: list[Hook] = []
+SIGNALS = {"kill": signal.SIGKILL, "int": signal.SIGINT}  # COLOCATE_RL_FAULT's <signal> names
 
 
 def on(hook: Hook) -> Callable[[], None]:
@@ -30,5 +32,6 @@ def point(name: str, step: int) -> None:
     for hook in list(_hooks):
         hook(name, step)
     spec = os.environ.get("COLOCATE_RL_FAULT", "")
-    if spec and os.environ.get("COLOCATE_RL_ATTEMPT", "0") == "0" and spec == f"kill@{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    how, _, where = spec.partition("@")
+    if how in SIGNALS and where == f"{name}:{step}" and os.environ.get("COLOCATE_RL_ATTEMPT", "0") == "0":
+        os.kill(os.getpid(), SIGNALS[how])

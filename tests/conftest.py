@@ -19,6 +19,12 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # First generate otherwise spends 15-19 s in torch.compile on CPU.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# One intra-op thread per process (before torch is imported; the processes the tests start inherit
+# it): two pytest-xdist workers, a test's spawned ranks and engine processes share 2 cores, and
+# torch's default of one thread per core had them spin-waiting on each other (three modules of
+# spawned ranks measured 244 s with it, 164 s without, side by side on two workers). The tiny
+# models gain nothing from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
@@ -61,6 +67,15 @@ def pytest_xdist_make_scheduler(config, log):
             return _unit(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+def pytest_ignore_collect(collection_path, config):
+    # scripts/test.sh's Ray phase imports only the Ray modules, the other phase all but them:
+    # collecting the whole tree imports torch, vLLM and megatron-core into the process (~20 s).
+    phase = os.environ.get("TEST_RAY_MODULES", "")
+    if phase in ("skip", "only") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return (collection_path.name in RAY_MODULES) != (phase == "only") or None
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,17 +1,14 @@
 """The cluster scripts, run for real on this machine: the host check (table, verdicts, exit code),
 a Ray head and a worker started and stopped by scripts/start_ray.sh (each stop ends exactly its
-own node's processes), and the smoke run of the tiny recipe."""
+own node's processes). The smoke run of the tiny recipe is in test_smoke.py (it starts no Ray)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -172,32 +169,3 @@ def test_start_ray_usage_errors(tmp_path):
                               capture_output=True, text=True, env=script_env(), timeout=30)
         assert proc.returncode == 2 and error in proc.stderr, (mode, proc.stderr)
     assert not (tmp_path / "w" / "pgid").exists()  # refused before anything started
-
-
-# ------------------------------------------------------------------------ smoke
-
-
-def smoke(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts/smoke.sh"), "--out", str(tmp_path), *args], capture_output=True,
-                          text=True, env=script_env(), timeout=400)
-
-
-@pytest.mark.slow  # ~50 s on 2 cores: vLLM engine start, Megatron set-up, 3 colocated steps
-def test_smoke_runs_the_tiny_recipe(tmp_path):
-    start = time.time()
-    proc = smoke(tmp_path, "--steps", "2", "rollout.n=4")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[smoke] ok: 2 steps" in proc.stdout
-    (run,) = tmp_path.iterdir()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
-    cfg = (run / "config.yaml").read_text()
-    assert re.search(r"^rollout:\n  'n': 4$", cfg, re.M), "the key=value override did not reach the recipe"
-    print(f"smoke: {time.time() - start:.0f} s")
-
-
-def test_smoke_fails_on_a_bad_override(tmp_path):
-    proc = smoke(tmp_path, "rollout.temprature=1.0")
-    assert proc.returncode != 0
-    assert "rollout.temprature" in proc.stderr + proc.stdout
-    assert "[smoke] ok" not in proc.stdout

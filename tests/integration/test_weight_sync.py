@@ -1,11 +1,16 @@
 """Weight sync into a real vLLM engine core running in its own process (CPU shared memory).
 
 vLLM runs multiprocess here (VLLM_ENABLE_V1_MULTIPROCESSING=1) so the handles really cross a
-process boundary. Each check compares vLLM's sampled logprobs with a plain transformers forward
-of the model whose weights were sent (fp32, max |diff| <= 1e-4).
+process boundary, in both shapes an engine's worker takes: the tied-embedding engine's worker is a
+process of its own under the engine core (vLLM's CPU default, as at TP>1), the MoE engine's runs in
+the engine core's process (vLLM's shape for TP=1 on GPUs). Each check compares vLLM's sampled
+logprobs with a plain transformers forward of the model whose weights were sent (fp32, max |diff|
+<= 1e-4).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,12 +27,12 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 
 
-def _engine(path):
+def _engine(path, **engine_kwargs):
     from colocate_rl.rollout import RolloutEngine
 
     cfg = make_cfg(path)
     cfg.rollout.multiprocess = True
-    return RolloutEngine(cfg)
+    return RolloutEngine(cfg, **engine_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,9 @@ def tied(tiny_model):
 
 @pytest.fixture(scope="module")
 def moe(tiny_model):
-    eng = _engine(tiny_model("qwen3-moe-tiny"))
+    # The worker in the engine core's process: one spawned interpreter importing vLLM, not two.
+    eng = _engine(tiny_model("qwen3-moe-tiny"),
+                  distributed_executor_backend="vllm.v1.executor.uniproc_executor.UniProcExecutor")
     yield eng
     eng.shutdown()
 
@@ -58,6 +65,14 @@ def _greedy(eng):
     return eng.generate(_samples(eng)[:2], n=1, temperature=0.0)
 
 
+def _worker_is_engine_core(eng) -> bool:
+    """The worker is the engine core's process itself (a child of this one), not a process under it."""
+    import psutil
+
+    (pid,) = eng._rpc("worker_pid")
+    return psutil.Process(pid).ppid() == os.getpid()
+
+
 def _sync_and_check(eng, path, tmp_path, seed, bucket_mb):
     assert eng.multiprocess and not eng.workers_in_process, "the handles must cross a process boundary"
     hf, tensors = _perturbed(path, tmp_path, seed)
@@ -74,12 +89,14 @@ def test_moe_logprobs_match_hf_before_sync(moe, tiny_model):
 
 def test_moe_sync(moe, tiny_model, tmp_path):
     """Fused experts: vLLM's CPU reload skips the experts' prepack; the extension re-runs it."""
+    assert _worker_is_engine_core(moe)
     _sync_and_check(moe, tiny_model("qwen3-moe-tiny"), tmp_path, seed=11, bucket_mb=0.1)
 
 
 def test_tied_embedding_sync_and_checksums(tied, tiny_model, tmp_path):
     """With tie_word_embeddings the output layer must follow the new embedding (on CPU its GEMM
     keeps a packed copy made at load time)."""
+    assert not _worker_is_engine_core(tied)
     _, tensors = _sync_and_check(tied, tiny_model("qwen3-tiny-tied"), tmp_path, seed=12, bucket_mb=0.05)
     assert "lm_head.weight" not in tensors
     names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight"]
