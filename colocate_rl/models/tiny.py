@@ -201,7 +201,9 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
         bos_token_id=None, dtype=dtype,
     )
     (out / "generation_config.json").write_text(json.dumps(gen))
-    if _parameter_count(spec) < DIRECT_INIT_PARAMS:
+    from colocate_rl.models.registry import model_size
+
+    if model_size(SHAPES[shape]).total < DIRECT_INIT_PARAMS:
         import shutil
 
         torch.manual_seed(seed)
@@ -224,18 +226,6 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
 # per-module init, which runs on one core (Qwen3-8B took 9 minutes on a 16-core host).
 DIRECT_INIT_PARAMS = 10**9
 _CHUNK = 1 << 24
-
-
-def _parameter_count(spec: dict) -> int:
-    """Rough size of a Qwen3 (dense or MoE) spec: enough to pick how to draw its weights."""
-    h, layers = spec["hidden_size"], spec["num_hidden_layers"]
-    hd = spec.get("head_dim") or h // spec["num_attention_heads"]
-    attn = h * hd * (2 * spec["num_attention_heads"] + 2 * spec["num_key_value_heads"])
-    if spec.get("num_experts"):
-        mlp = 3 * h * spec["moe_intermediate_size"] * spec["num_experts"]
-    else:
-        mlp = 3 * h * spec["intermediate_size"]
-    return layers * (attn + mlp) + 2 * spec["vocab_size"] * h
 
 
 def _random_weights(config, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

@@ -154,8 +154,10 @@ def test_large_shapes_draw_weights_directly_as_transformers_would_save_them(tmp_
 
     from colocate_rl.models import tiny
 
-    assert tiny._parameter_count(tiny.SHAPES["qwen3-8b"]) == pytest.approx(8.19e9, rel=0.01)
-    assert tiny._parameter_count(tiny.SHAPES["qwen3-30b-a3b"]) == pytest.approx(30.5e9, rel=0.01)
+    from colocate_rl.models.registry import model_size
+
+    assert model_size(tiny.SHAPES["qwen3-8b"]).total == pytest.approx(8.19e9, rel=0.01)
+    assert model_size(tiny.SHAPES["qwen3-30b-a3b"]).total == pytest.approx(30.5e9, rel=0.01)
     want = load_file(str(tiny.build_model(shape, tmp_path / "hf", dtype="bfloat16") / "model.safetensors"))
     monkeypatch.setattr(tiny, "DIRECT_INIT_PARAMS", 0)
     monkeypatch.setattr(tiny, "_CHUNK", 1000)  # several chunks per tensor, several threads
