@@ -83,54 +83,59 @@ SAME = ("reward/mean", "loss", "grad_norm", "rollout/response_len", "train_rollo
 
 # The engine core in a process of its own, running its worker itself: the shape vLLM gives a TP=1
 # engine on GPUs. vLLM's CPU platform would otherwise have the engine core spawn a second process for
-# the worker, which imports vLLM again (~14 s more per engine start on 2 cores, ten starts here).
+# the worker, which imports vLLM again (~14 s more per engine start on 2 cores, nine starts here).
 # The process killed is the engine core either way; the CPU default (a worker process under it) is
-# the one test_weight_sync.py's tied-embedding engine runs.
+# the one test_weight_sync.py's tied-embedding engine runs. The calm run names the same executor
+# (in-process it is the one vLLM picks anyway): a checkpoint resumes only under the config it was
+# written with, and the rough run resumes the calm run's.
 ENGINE_CORE_RUNS_ITS_WORKER = {
-    "rollout.multiprocess": "true",
     "rollout.engine_kwargs": "{distributed_executor_backend: vllm.v1.executor.uniproc_executor.UniProcExecutor}"}
 
 
-# Slow: ten multiprocess engine starts (~15-30 s each on 2 cores).
+# Slow: nine multiprocess engine starts (~15-30 s each on 2 cores).
 @pytest.mark.slow
 def test_engine_killed_at_every_phase_is_replaced_and_the_run_goes_on(tmp_path, tiny_model, even_length_reward):
-    """The engine process is killed at each named phase of a run (generate, sleep, wake(weights),
-    the sync, wake(kv_cache), eval generation, a checkpoint, a resume), each at a phase boundary, not
+    """The engine process is killed at each named phase of a run (a resume, sleep, wake(weights),
+    wake(kv_cache), eval generation, a checkpoint, generate, the sync), each at a phase boundary, not
     on a timer. Every time a new engine is built and given the actor's weights, and the step goes
-    on from where it was: the run's metrics equal those of a run nothing happened to."""
+    on from where it was: the run's metrics equal those of a run nothing happened to.
+
+    The rough run resumes from the calm run's step-3 checkpoint (the engine is killed while it is
+    restored) and runs steps 4-8, one fault per step at most but for step 6's eval and checkpoint:
+    a replaced engine is synced by walking the step's handoff phases again, which would strike
+    another fault of the same step there instead of at its own phase."""
     from colocate_rl import faults
 
     over = {"reward.name": even_length_reward, "actor.lr": "1e-3", "rollout.max_response_tokens": "24",
-            "data.max_prompt_tokens": "16", "steps": "6", "eval.every": "3", "eval.sets": "[arithmetic]",
-            "checkpoint.every": "3", "sync.verify_every": "1", "rollout.max_engine_restarts": "1"}
+            "data.max_prompt_tokens": "16", "steps": "8", "eval.every": "3", "eval.sets": "[arithmetic]",
+            "checkpoint.every": "3", "checkpoint.keep": "3", "sync.verify_every": "1",
+            "rollout.max_engine_restarts": "1", **ENGINE_CORE_RUNS_ITS_WORKER}
     loop.run(tiny_cfg(tmp_path / "calm", tiny_model, **over))
     calm = rows_of(tmp_path / "calm" / "t" / "metrics.jsonl")
+    assert sorted(calm) == list(range(9))
 
-    kills = {("generate", 2), ("sleep", 3), ("eval", 3), ("checkpoint", 3), ("wake_weights", 4), ("sync", 5),
-             ("wake_kv", 6)}
+    kills = {("resume", 0), ("sleep", 4), ("wake_weights", 5), ("wake_kv", 6), ("eval", 6), ("checkpoint", 6),
+             ("generate", 7), ("sync", 8)}
     hook = KillEngineAt(kills)
     remove = faults.on(hook)
     try:
-        loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **over, **ENGINE_CORE_RUNS_ITS_WORKER))
-        assert sorted(hook.killed) == sorted(kills), "every fault fired"
-        rough = rows_of(tmp_path / "rough" / "t" / "metrics.jsonl")
-        assert sorted(rough) == sorted(calm) == [0, 1, 2, 3, 4, 5, 6]
-        assert sum(r.get("rollout/engine_restarts", 0) for r in rough.values()) == len(kills)
-        for step in range(1, 7):
-            for key in SAME:
-                assert rough[step][key] == pytest.approx(calm[step][key], rel=1e-5, abs=1e-6), (step, key)
-            assert rough[step]["train_rollout_logprob_abs_diff"] <= 1e-4
-        assert rough[3]["eval/accuracy"] == calm[3]["eval/accuracy"]
-
-        # The same run extended by one step: the engine dies while the checkpoint is being restored.
-        hook.at = {("resume", 0)}  # restored before any step of this run
-        out = loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **{**over, **ENGINE_CORE_RUNS_ITS_WORKER,
-                                                                    "steps": "7"}))
-        assert hook.killed[-1] == ("resume", 0) and out["steps"] == 7
-        rough = rows_of(tmp_path / "rough" / "t" / "metrics.jsonl")
-        assert rough[7]["rollout/engine_restarts"] == 1 and rough[7]["train_rollout_logprob_abs_diff"] <= 1e-4
+        ckpt = tmp_path / "calm" / "t" / "checkpoints" / "step_00000003"
+        out = loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **over, **{"rollout.multiprocess": "true",
+                                                                          "checkpoint.resume": str(ckpt)}))
     finally:
         remove()
+    assert sorted(hook.killed) == sorted(kills), "every fault fired"
+    assert hook.killed[0] == ("resume", 0) and out["steps"] == 8
+    rough = rows_of(tmp_path / "rough" / "t" / "metrics.jsonl")
+    assert sorted(rough) == [4, 5, 6, 7, 8]
+    # A step's row counts the restarts since the previous row: the resume's goes with step 4's, step
+    # 6's eval and checkpoint (after its row was taken) with step 7's.
+    assert [rough[s]["rollout/engine_restarts"] for s in sorted(rough)] == [2, 1, 1, 3, 1]
+    for step in rough:
+        for key in SAME:
+            assert rough[step][key] == pytest.approx(calm[step][key], rel=1e-5, abs=1e-6), (step, key)
+        assert rough[step]["train_rollout_logprob_abs_diff"] <= 1e-4
+    assert rough[6]["eval/accuracy"] == calm[6]["eval/accuracy"]
 
 
 def test_model_folder_without_weights_stops_in_one_line(tmp_path, tiny_model):

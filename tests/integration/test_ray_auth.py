@@ -29,8 +29,8 @@ from ray._private.utils import get_dashboard_dependency_error, get_ray_client_de
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts/start_ray.sh")
 
-# ~40-90 s on 2 loaded cores: a Ray head's start, three client processes importing Ray (one of
-# them also torch), two of which wait out Ray's connection retries before they give up.
+# ~15-40 s on 2 loaded cores: a Ray head's start, three client processes importing Ray (one of
+# them also torch), two of which are refused.
 pytestmark = pytest.mark.slow
 
 
@@ -175,10 +175,13 @@ def test_only_a_token_holder_joins(head, tmp_path):
     other.chmod(0o600)
     home = tmp_path / "home"  # no ~/.ray/auth_token for Ray to fall back on
     home.mkdir()
+    # A refused client tries to join once a second for RAY_gcs_server_port_wait_time_s (20 by
+    # default) before it gives up; the refusal is the same at the first attempt as at the last.
+    refused = dict(HOME=str(home), RAY_gcs_server_port_wait_time_s="2")
     runs = {
-        "no token": ([sys.executable, "-c", CLIENT, head["address"]], clean_env(HOME=str(home))),
+        "no token": ([sys.executable, "-c", CLIENT, head["address"]], clean_env(**refused)),
         "another token": ([sys.executable, "-c", CLIENT, head["address"]],
-                          clean_env(HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other))),
+                          clean_env(**refused, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other))),
         "driver with the token file": ([sys.executable, "-c", DRIVER, head["address"], str(head["token_file"])],
                                        clean_env(HOME=str(home), RAY_AUTH_MODE="disabled")),
     }

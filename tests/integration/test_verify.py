@@ -25,47 +25,54 @@ def _flip_in_vllm_worker(worker, name: str) -> None:
     flip_byte(worker._crl_model().get_parameter(name))
 
 
-@pytest.mark.parametrize("shape,overrides", [
-    ("qwen3-tiny", {}),
-    ("qwen3-moe-tiny", {}),
-    ("deepseek-v4-tiny", {"rollout.backend": "transformers", "rollout.max_response_tokens": "3"}),
-])
-def test_verification_names_the_one_tensor_that_differs(tmp_path, tiny_model, shape, overrides):
+SHAPES = {
+    "qwen3-tiny": {},
+    "qwen3-moe-tiny": {},
+    "deepseek-v4-tiny": {"rollout.backend": "transformers", "rollout.max_response_tokens": "3"},
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def workers(request, tmp_path_factory, tiny_model):
+    """The local placement's workers (actor and engine) for one model shape, synced once; the qwen3-tiny
+    ones are shared by both tests."""
     from colocate_rl.placement.local import launch
 
-    cfg = tiny_cfg(tmp_path, tiny_model, **{"model.path": str(tiny_model(shape)), **overrides})
+    shape = request.param
+    cfg = tiny_cfg(tmp_path_factory.mktemp(shape), tiny_model, **{"model.path": str(tiny_model(shape)),
+                                                                   **SHAPES[shape]})
     w = launch(cfg)
-    w.actor.onload()  # the placement starts it offloaded, for the engine's start
     try:
+        w.actor.onload()  # the placement starts it offloaded, for the engine's start
         w.sync(1)
-        names = list(w.actor.weight_checksums())
-        assert len(names) >= 4 and set(names) == set(w.actor.family.verify_names(w.actor.hf_config))
-        assert w.verify() == len(names)
-        for name in names:
-            if cfg.rollout.backend == "vllm":
-                w.rollout.llm.collective_rpc(_flip_in_vllm_worker, args=(name,))
-            else:
-                flip_byte(w.rollout._target(name))
-            with pytest.raises(WeightMismatch, match=f"'{name}' differs"):
-                w.verify()
-            if cfg.rollout.backend == "vllm":  # flipped back: the engine equals the actor again
-                w.rollout.llm.collective_rpc(_flip_in_vllm_worker, args=(name,))
-            else:
-                flip_byte(w.rollout._target(name))
-            assert w.verify() == len(names)
+        yield cfg, w
     finally:
         w.shutdown()
 
 
-def test_a_family_that_names_no_tensor_fails_verification(tmp_path, tiny_model, monkeypatch):
-    """A verification that would compare nothing is an error, not a pass."""
-    from colocate_rl.placement.local import launch
-
-    w = launch(tiny_cfg(tmp_path, tiny_model))
-    w.actor.onload()
-    try:
-        monkeypatch.setattr(w.actor, "weight_checksums", lambda: {})
-        with pytest.raises(WeightMismatch, match="compared no tensor"):
+def test_verification_names_the_one_tensor_that_differs(workers):
+    cfg, w = workers
+    names = list(w.actor.weight_checksums())
+    assert len(names) >= 4 and set(names) == set(w.actor.family.verify_names(w.actor.hf_config))
+    assert w.verify() == len(names)
+    for name in names:
+        if cfg.rollout.backend == "vllm":
+            w.rollout.llm.collective_rpc(_flip_in_vllm_worker, args=(name,))
+        else:
+            flip_byte(w.rollout._target(name))
+        with pytest.raises(WeightMismatch, match=f"'{name}' differs"):
             w.verify()
-    finally:
-        w.shutdown()
+        if cfg.rollout.backend == "vllm":  # flipped back: the engine equals the actor again
+            w.rollout.llm.collective_rpc(_flip_in_vllm_worker, args=(name,))
+        else:
+            flip_byte(w.rollout._target(name))
+        assert w.verify() == len(names)
+
+
+@pytest.mark.parametrize("workers", ["qwen3-tiny"], indirect=True)
+def test_a_family_that_names_no_tensor_fails_verification(workers, monkeypatch):
+    """A verification that would compare nothing is an error, not a pass."""
+    _, w = workers
+    monkeypatch.setattr(w.actor, "weight_checksums", lambda: {})
+    with pytest.raises(WeightMismatch, match="compared no tensor"):
+        w.verify()
