@@ -165,6 +165,10 @@ def main() -> None:
                            "weight sync (d2d, IPC)": mean("sync/GBps")},
         "limits_GBps": limits,
         "sync_bytes": rows[0]["sync/bytes"],
+        # The sync's seconds (without its verification): the actor's export and packing, the engine's
+        # loading, and the rest (RPC, frees).
+        "sync_split_s": {"total": sum(r["sync/bytes"] / max(r["sync/GBps"], 1e-9) / 1e9 for r in rows) / len(rows),
+                         "pack": mean("sync/pack_s"), "engine": mean("sync/engine_s")},
         "offloaded_bytes": rows[0]["actor/offload_bytes"],
         "offloaded_parts": list(s.plan.memory.offload),
         "memory_predicted_GiB_at_phase": {k: v / GiB for k, v in s.plan.memory.peaks().items()},
