@@ -216,8 +216,11 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
         return out
     from safetensors.torch import save_file
 
-    save_file(_random_weights(config, getattr(torch, dtype), seed), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    save_file(_random_weights(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # As save_pretrained records it: without it vLLM takes the folder for an embedding model.
+    config.architectures = [type(model).__name__]
     config.save_pretrained(str(out))  # last: a folder with config.json is a finished build
     return out
 
@@ -228,17 +231,16 @@ DIRECT_INIT_PARAMS = 10**9
 _CHUNK = 1 << 24
 
 
-def _random_weights(config, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor save_pretrained would write: norms at one, the rest N(0, initializer_range),
-    drawn in chunks of 2^24 elements on all cores, each chunk from its own generator (seed, tensor,
-    chunk), so the weights depend on the seed alone, not on the machine's core count."""
+def _random_weights(model, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor save_pretrained would write for ``model`` (on the meta device): norms at one,
+    the rest N(0, initializer_range), drawn in chunks of 2^24 elements on all cores, each chunk from
+    its own generator (seed, tensor, chunk), so the weights depend on the seed alone, not on the
+    machine's core count."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config, dtype = model.config, model.dtype
     # The names and shapes save_pretrained writes (it splits fused expert tensors per expert).
     shapes = {n: t.shape for n, t in revert_weight_conversion(model, model.state_dict()).items()}
     if getattr(config, "tie_word_embeddings", False):
