@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
     ap.add_argument("--offload", default="auto", help="actor.offload: auto (what the memory plan says) | all | none")
     ap.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.exact=true")
+    ap.add_argument("--memory-snapshot", default="",
+                    help="on an error (an OOM), write torch's allocator snapshot here: every live block and its stack")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="",
                     help="write cProfiles of one extra, untimed step and of both rollouts here")
@@ -89,6 +91,8 @@ def main() -> None:
             f"steps={args.steps + 1}", f"rollout.gpu_memory_utilization={args.gpu_mem}", "sync.verify_every=1",
             f"actor.offload={args.offload}", *args.set]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
+    if args.memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1000)  # live blocks keep their stacks regardless
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)
     rows = []
@@ -143,6 +147,10 @@ def main() -> None:
         with s.handoff.actor_owned(changes_weights=False):
             lp = s.actor.compute_logprobs(batch)
         diff = (lp - batch.rollout_logprobs).abs()[batch.loss_mask].float()
+    except BaseException:
+        if args.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        raise
     finally:
         s.close()
 

@@ -13,6 +13,8 @@ def tensor_checksum(t: torch.Tensor, offset: int = 0) -> float:
     values. ``offset``: the flat index of t's first element in a larger tensor, so the checksums of
     row blocks (tensor-parallel shards) add up to the whole tensor's."""
     x = t.detach().reshape(-1)
+    if x.dtype.itemsize == 1 and x.is_floating_point():
+        x = x.view(torch.uint8)  # float8 formats (e4m3 weights, e8m0 scales): their bytes are their values
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for start in range(0, x.numel(), _CHUNK):  # in chunks: a whole 8B model's embedding in float64 is 5 GB
         part = x[start : start + _CHUNK].to(torch.float64)

@@ -113,7 +113,8 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
     """Syncs to T1, back to the start weights, and to T1 again, each after a level-2 sleep. The
     references are the engine itself before its first sync (started from the start checkpoint) and an
     engine started from T1's checkpoint: two engine starts check three syncs, and the middle one
-    checks that a sync overwrites what an earlier sync had written."""
+    checks that a sync overwrites what an earlier sync had written. After the first sync the engine's
+    whole state (every parameter and buffer as vLLM holds it) must equal the T1 engine's."""
     from colocate_rl.models.deepseek_v4 import synth
     from colocate_rl.weight_sync.quantize import quantize_named, sync_plan
 
@@ -131,7 +132,8 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
         assert {"fp8_ue8m0", "mxfp4"} == set(plan.values())
         seqs = sample(eng)  # the sequences every check scores, as one prefill per row
         want = {"start": eng.prefill_logprobs(seqs)}
-        synced = []
+        noise = {"start": gap(eng.prefill_logprobs(seqs), want["start"], seqs.loss_mask)[1]}
+        synced, state = [], None
         for _, target in targets:
             # As the colocated handoff does: sleep at level 2 discards every tensor the engine holds,
             # so the sync must give each one back (the frozen routing state too).
@@ -141,6 +143,7 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
             stats = eng.update_weights(quantize_named(iter(sent), plan), bucket_mb=16)  # many buckets
             eng.wake(["kv_cache"])
             assert stats.bytes > 0
+            state = state or eng.state_checksums()[0]
             synced.append((eng.prefill_logprobs(seqs), sample(eng).tokens))
     finally:
         eng.shutdown()
@@ -148,21 +151,32 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
     ref = engine(write(tmp_path / "T1", hf, t1))
     try:
         want["T1"] = ref.prefill_logprobs(seqs)
+        noise["T1"] = gap(ref.prefill_logprobs(seqs), want["T1"], seqs.loss_mask)[1]
         drawn = sample(ref).tokens
+        ref_state = ref.state_checksums()[0]
     finally:
         ref.shutdown()
 
+    # Everything is printed before the first assertion: a failing run says which tensors and which syncs.
     mask = seqs.loss_mask
+    differ = sorted(n for n in ref_state if state.get(n) != ref_state[n])
+    print(f"engine state after sync 1 vs the T1 engine: {len(differ)} of {len(ref_state)} tensors differ"
+          + (f": {', '.join(differ[:20])}" if differ else ""), flush=True)
+    print(f"run-to-run noise of one engine scoring the same sequences twice: max {noise}", flush=True)
     control = gap(want["T1"], want["start"], mask)[1]
     print(f"control: T1's checkpoint against the start checkpoint on the same sequences: max {control:.2e}", flush=True)
-    assert control > 0.05, "control: other weights score the same sequences alike"
+    worst = {}
     for k, ((name, _), (scores, tokens)) in enumerate(zip(targets, synced), 1):
-        mean, worst = gap(scores, want[name], mask)
-        line = f"sync {k} (to {name}): prefill |logprob diff| mean {mean:.2e} max {worst:.2e}"
+        mean, worst[k] = gap(scores, want[name], mask)
+        line = f"sync {k} (to {name}): prefill |logprob diff| mean {mean:.2e} max {worst[k]:.2e}"
         if name == "T1":
             # For the record only: at temperature 1 a logprob off by 1e-4 may flip a draw, and every
             # later token of that row then differs.
             w = min(drawn.shape[1], tokens.shape[1])
             line += f"; the same sampled tokens as T1's engine: {(drawn[:, :w] == tokens[:, :w]).float().mean():.1%}"
         print(line, flush=True)
-        assert worst <= 1e-3, f"sync {k}: max |logprob diff| {worst:.2e} against the engine started from {name}"
+    assert len(ref_state) > 0 and set(state) == set(ref_state)
+    assert not differ, f"after sync 1 the engine holds other values than the T1 engine in {len(differ)} tensors"
+    assert control > 0.05, "control: other weights score the same sequences alike"
+    for k, (name, _) in enumerate(targets, 1):
+        assert worst[k] <= 1e-3, f"sync {k}: max |logprob diff| {worst[k]:.2e} against the engine started from {name}"

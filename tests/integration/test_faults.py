@@ -158,9 +158,12 @@ def test_tokenizer_that_does_not_fit_the_model_stops_in_one_line(tmp_path, tiny_
     assert "\n" not in msg and str(tok_dir) in msg and "vocab_size" in msg, msg
 
 
-def test_actor_skips_a_nonfinite_update_and_leaves_the_weights(tiny_model):
+def test_actor_skips_a_nonfinite_update_and_leaves_the_weights(tiny_model, monkeypatch):
     from test_actor import make_actor, make_batch
 
+    from colocate_rl.trainer import actor as actor_module
+
+    monkeypatch.setattr(actor_module, "_FINITE_CHECK_NUMEL", 1000)  # the check runs in many slices
     actor = make_actor(tiny_model("qwen3-tiny"))
     batch = make_batch()
     before = {n: t.clone() for n, t in actor.export_hf_weights()}
@@ -174,3 +177,7 @@ def test_actor_skips_a_nonfinite_update_and_leaves_the_weights(tiny_model):
     batch.advantages = torch.tensor([1.0, -1.0] * 3)
     m = actor.train_step(batch, actor.compute_logprobs(batch))
     assert m["update_skipped"] == 0.0 and all(torch.isfinite(t).all() for _, t in actor.export_hf_weights())
+    grads = actor.model.buffers[-1].grad_data.view(-1)  # the finite gradients of that update
+    assert grads.numel() > 3 * 1000 and actor._grads_finite()
+    grads[-1] = float("inf")  # in the last slice only
+    assert not actor._grads_finite()
