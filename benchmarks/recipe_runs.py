@@ -51,6 +51,9 @@ def machine() -> dict:
 def step_row(m: dict) -> dict:
     return {
         "step": m["step"], "train_rollout_logprob_abs_diff": m.get("train_rollout_logprob_abs_diff"),
+        # The gap's distribution over the step's tokens, and the first response token's mean.
+        **{f"train_rollout_logprob_abs_diff_{k}": m.get(f"train_rollout_logprob_abs_diff_{k}")
+           for k in ("p50", "p99", "max", "first")},
         "reward_mean": m.get("reward/mean"), "grad_norm": m.get("grad_norm"), "step_s": m.get("time/step"),
         "phase_s": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"},
         "sync_bytes": m.get("sync/bytes"), "sync_GBps": m.get("sync/GBps"),

@@ -91,8 +91,9 @@ def console_line(step: int, total: int, m: dict) -> str:
     if "eval/accuracy" in m:
         parts.append(f"eval acc {m['eval/accuracy']:.3f}")
     if "train_rollout_logprob_abs_diff" in m:
-        worst = m.get("train_rollout_logprob_abs_diff_max")
-        parts.append(f"lp diff {m['train_rollout_logprob_abs_diff']:.2e}" + (f" (max {worst:.2e})" if worst else ""))
+        tail = [f"{name} {m[key]:.2e}" for name, key in (("p99", "train_rollout_logprob_abs_diff_p99"),
+                                                          ("max", "train_rollout_logprob_abs_diff_max")) if m.get(key)]
+        parts.append(f"lp diff {m['train_rollout_logprob_abs_diff']:.2e}" + (f" ({', '.join(tail)})" if tail else ""))
     if "rollout/tokens_per_s" in m:
         parts.append(f"gen {m['rollout/tokens_per_s']:.0f} tok/s")
     phases = {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"}

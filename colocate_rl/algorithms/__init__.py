@@ -3,7 +3,7 @@ docstring). ``ADVANTAGES`` and ``POLICY_LOSSES`` hold the names ``algorithm.adva
 ``algorithm.policy_loss`` accept."""
 
 from colocate_rl.algorithms.advantages import ADVANTAGES, AdvantageFn, get_advantage_fn, grpo
-from colocate_rl.algorithms.losses import POLICY_LOSSES, PolicyLossFn, get_policy_loss, policy_loss
+from colocate_rl.algorithms.losses import POLICY_LOSSES, PolicyLossFn, gap_summary, get_policy_loss, policy_loss
 from colocate_rl.algorithms.terms import (
     KL_ESTIMATORS,
     LOSS_AGG,
@@ -15,5 +15,5 @@ from colocate_rl.algorithms.terms import (
 
 __all__ = [
     "ADVANTAGES", "AdvantageFn", "KL_ESTIMATORS", "LOSS_AGG", "LossInputs", "POLICY_LOSSES", "PolicyLossFn",
-    "get_advantage_fn", "get_policy_loss", "global_counts", "grpo", "logprob_abs_diff", "masked_mean", "policy_loss",
+    "gap_summary", "get_advantage_fn", "get_policy_loss", "global_counts", "grpo", "logprob_abs_diff", "masked_mean", "policy_loss",
 ]

@@ -26,6 +26,9 @@ from colocate_rl.algorithms.terms import (
     KL_ESTIMATORS,
     MAX_LOG_RATIO,
     LossInputs,
+    first_token_mask,
+    gap_histogram,
+    histogram_quantile,
     logprob_abs_diff,
     masked_mean,
 )
@@ -80,6 +83,9 @@ def policy_loss(
       approx_kl       KL(old ‖ new) by k3: (r - 1) - log r, r = exp(logp - old_logp)
       train_rollout_logprob_abs_diff  mean |old_logp - rollout_logp|
       train_rollout_logprob_abs_diff_max  its largest token (the trainer maxes '_max' metrics)
+      train_rollout_logprob_abs_diff_hist, _first_total, first_tokens_total  summed over the
+                      step (the trainer sums '_hist' and '_total' metrics); gap_summary turns them
+                      into the step's _p50, _p99 and _first (the first response token's mean)
       kl_ref          (when kl_coef > 0) the KL estimate to the reference
       entropy         (when passed in)
     """
@@ -112,8 +118,30 @@ def policy_loss(
         metrics["is_clamped_frac"] = masked_mean(clamped.to(ratio.dtype), mask)
         metrics["approx_kl"] = masked_mean(ratio - 1 - log_ratio, mask)
         metrics["train_rollout_logprob_abs_diff"] = logprob_abs_diff(old_logprobs, rollout_logprobs, mask)
-        metrics["train_rollout_logprob_abs_diff_max"] = torch.where(
-            mask, (old_logprobs - rollout_logprobs).abs(), 0).max() if mask.numel() else is_raw.new_zeros(())
+        gap = (old_logprobs - rollout_logprobs).abs()
+        metrics["train_rollout_logprob_abs_diff_max"] = (torch.where(mask, gap, 0).max() if mask.numel()
+                                                         else is_raw.new_zeros(()))
+        # Summed over the step, not averaged (see gap_summary): the histogram, and the first
+        # response token's gap beside the count of rows.
+        metrics["train_rollout_logprob_abs_diff_hist"] = gap_histogram(gap, mask)
+        first = first_token_mask(mask)
+        metrics["train_rollout_logprob_abs_diff_first_total"] = torch.where(first, gap, 0).sum()
+        metrics["first_tokens_total"] = first.sum()
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def gap_summary(step: dict) -> dict:
+    """A step's reduced metrics with the gap's summed parts (policy_loss's '_hist' and '_total'
+    entries) replaced by floats: train_rollout_logprob_abs_diff_p50 / _p99 and _first."""
+    out = dict(step)
+    hist = out.pop("train_rollout_logprob_abs_diff_hist", None)
+    first = out.pop("train_rollout_logprob_abs_diff_first_total", None)
+    rows = out.pop("first_tokens_total", None)
+    if hist is not None:
+        out["train_rollout_logprob_abs_diff_p50"] = histogram_quantile(hist, 0.5)
+        out["train_rollout_logprob_abs_diff_p99"] = histogram_quantile(hist, 0.99)
+    if first is not None and rows:
+        out["train_rollout_logprob_abs_diff_first"] = float(first) / float(rows)
+    return out

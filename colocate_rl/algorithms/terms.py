@@ -34,6 +34,41 @@ def logprob_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> to
     return masked_mean((a - b).abs(), mask)
 
 
+# The distribution of the train/rollout gap. Quantiles do not add up over micro-batches and ranks;
+# token counts per bin do, so each micro-batch reports a histogram and the step's quantiles are
+# read from their sum. Bins: 16 per decade from 1e-8 to 1e2 (a quantile is known to within ±7.5%),
+# one below for exact agreement, one above.
+GAP_EDGES = torch.logspace(-8, 2, 161, dtype=torch.float64)
+
+
+def gap_histogram(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """diff [B, T] (≥ 0), mask [B, T] bool → [162] float64 token counts: bin 0 holds diff < 1e-8
+    (exact zeros), bin i holds GAP_EDGES[i-1] ≤ diff < GAP_EDGES[i], bin 161 holds diff ≥ 100."""
+    edges = GAP_EDGES.to(diff.device)
+    index = torch.bucketize(diff[mask].double(), edges, right=True)
+    return torch.bincount(index, minlength=len(edges) + 1).double()
+
+
+def histogram_quantile(hist: torch.Tensor, q: float) -> float:
+    """The q-quantile (0 < q ≤ 1) of the tokens counted in ``hist`` [162] (gap_histogram's bins):
+    0 in the exact bin, the geometric middle of a bin's edges, 100 above them; 0 for no tokens."""
+    counts = hist.double().cpu()
+    total = float(counts.sum())
+    if total <= 0:
+        return 0.0
+    k = int(torch.searchsorted(counts.cumsum(0), torch.tensor(q * total, dtype=torch.float64)))
+    if k == 0:
+        return 0.0
+    if k >= len(GAP_EDGES):
+        return float(GAP_EDGES[-1])
+    return float((GAP_EDGES[k - 1] * GAP_EDGES[k]).sqrt())
+
+
+def first_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, T] bool → [B, T] bool: each row's first masked token (its first response token)."""
+    return mask & (mask.cumsum(1) == 1)
+
+
 # ---------------------------------------------------------------- KL to a reference policy
 
 

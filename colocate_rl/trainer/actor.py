@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from colocate_rl import platform
-from colocate_rl.algorithms import global_counts, policy_loss
+from colocate_rl.algorithms import gap_summary, global_counts, policy_loss
 from colocate_rl.config import Config
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
@@ -437,22 +437,35 @@ class Actor:
         return bool(ok)
 
     def _reduce_metrics(self, per_micro: list[dict]) -> dict[str, float]:
-        """Micro-batch metrics → mini-batch values on every rank: 'loss' summed (it is already
-        normalised globally), '*_max' maxed, the rest averaged weighted by loss tokens."""
+        """Micro-batch metrics → mini-batch values on every rank: 'loss', '*_total' and '*_hist'
+        (vectors) summed ('loss' is already normalised globally), '*_max' maxed, the rest averaged
+        weighted by loss tokens; then algorithms.gap_summary turns the summed gap parts into floats."""
         ps = self._ps
         out = None
         if ps.is_pipeline_last_stage():
             keys = sorted(k for k in per_micro[0] if k != "n_tokens")
             n = torch.stack([torch.as_tensor(m["n_tokens"], dtype=torch.float64) for m in per_micro]).to(self.device)
-            vals = {k: torch.stack([m[k].double() for m in per_micro]).to(self.device) for k in keys}
-            sums = torch.stack([vals[k].sum() if k == "loss" else (vals[k] * n).sum() for k in keys] + [n.sum()])
+            vals = {k: torch.stack([torch.as_tensor(m[k]).double() for m in per_micro]).to(self.device) for k in keys}
+            summed = {k for k in keys if k == "loss" or k.endswith(("_total", "_hist"))}
+            # One flat vector for one all-reduce: a scalar per key, a histogram's bins in a row.
+            parts = [vals[k].sum(0) if k in summed else (vals[k] * n).sum() for k in keys]
+            sums = torch.cat([x.reshape(-1) for x in parts] + [n.sum().reshape(1)])
             maxes = torch.stack([vals[k].max() for k in keys])
             if self.dp > 1:
                 dist.all_reduce(sums, group=ps.get_data_parallel_group())
                 dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
             total = max(float(sums[-1]), 1.0)
-            out = {k: float(maxes[i]) if k.endswith("_max") else float(sums[i]) / (1.0 if k == "loss" else total)
-                   for i, k in enumerate(keys)}
+            out, at = {}, 0
+            for i, k in enumerate(keys):
+                size = parts[i].numel()
+                if k.endswith("_hist"):
+                    out[k] = sums[at:at + size].cpu()
+                elif k.endswith("_max"):
+                    out[k] = float(maxes[i])
+                else:
+                    out[k] = float(sums[at]) / (1.0 if k in summed else total)
+                at += size
+            out = gap_summary(out)
         return self._last_stage_to_all(out)
 
     # ------------------------------------------------------------ memory

@@ -132,7 +132,7 @@ def test_metrics_approx_kl_entropy_and_masked_garbage():
     assert loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
     assert m["approx_kl"].item() == pytest.approx((0.2 - math.log(1.2)) / 2, rel=1e-5)
     assert m["entropy"].item() == pytest.approx(2.0)
-    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+    assert all(v.dim() == (1 if k.endswith("_hist") else 0) and not v.requires_grad for k, v in m.items())
 
 
 def test_logprob_abs_diff():
@@ -205,3 +205,40 @@ def test_logprob_gap_max_is_the_largest_masked_token():
     _, m = policy_loss(old.clone().requires_grad_(), old, rollout, torch.ones(1, dtype=torch.float64), mask, _cfg())
     assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.2)
     assert m["train_rollout_logprob_abs_diff_max"].item() == pytest.approx(0.3)
+
+
+def test_gap_quantiles_and_first_token_add_up_over_micro_batches():
+    """The gap's p50/p99 come from token counts per log-spaced bin, which sum over micro-batches and
+    ranks: the step's quantiles are those of all its tokens (within a bin, ±7.5%), exact zeros give
+    0, and the first response token's gap is the mean over rows, whichever micro-batch held them."""
+    from colocate_rl.algorithms import gap_summary
+    from colocate_rl.algorithms.terms import first_token_mask, gap_histogram, histogram_quantile
+
+    g = torch.Generator().manual_seed(0)
+    gap = torch.rand(6, 40, generator=g, dtype=torch.float64).pow(4) * 0.5  # skewed, like a real gap
+    lens = torch.tensor([40, 31, 7, 22, 40, 15])
+    start = torch.tensor([3, 0, 5, 1, 0, 9])  # the prompt's end: the response starts there
+    pos = torch.arange(40)[None, :]
+    mask = (pos >= start[:, None]) & (pos < lens[:, None])
+    first = first_token_mask(mask)
+    assert first.sum(1).tolist() == [1] * 6 and bool((first.int().argmax(1) == start).all())
+    hist = sum(gap_histogram(gap[s], mask[s]) for s in (slice(0, 2), slice(2, 5), slice(5, 6)))
+    assert torch.equal(hist, gap_histogram(gap, mask)) and int(hist.sum()) == int(mask.sum())
+    tokens = gap[mask]
+    for q in (0.5, 0.99):
+        want = float(tokens.quantile(q, interpolation="higher"))
+        assert histogram_quantile(hist, q) == pytest.approx(want, rel=0.08), q
+    assert histogram_quantile(gap_histogram(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)), 0.99) == 0.0
+    assert histogram_quantile(torch.zeros(162), 0.5) == 0.0
+
+    old = torch.zeros(6, 40, dtype=torch.float64)
+    steps = [policy_loss(old[s].clone().requires_grad_(), old[s], gap[s], torch.ones(s.stop - s.start,
+                         dtype=torch.float64), mask[s], _cfg())[1] for s in (slice(0, 2), slice(2, 6))]
+    summed = {k: sum(m[k] for m in steps) for k in ("train_rollout_logprob_abs_diff_hist",
+                                                     "train_rollout_logprob_abs_diff_first_total",
+                                                     "first_tokens_total")}
+    out = gap_summary({"loss": 1.0, **summed})
+    assert set(out) == {"loss", "train_rollout_logprob_abs_diff_p50", "train_rollout_logprob_abs_diff_p99",
+                        "train_rollout_logprob_abs_diff_first"}
+    assert out["train_rollout_logprob_abs_diff_first"] == pytest.approx(float(gap[first].mean()))
+    assert out["train_rollout_logprob_abs_diff_p50"] == pytest.approx(histogram_quantile(hist, 0.5))

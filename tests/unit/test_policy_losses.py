@@ -245,7 +245,10 @@ def test_every_loss_logs_the_same_metrics(name):
     assert torch.isfinite(loss) and loss.requires_grad
     assert sorted(m) == sorted(["clip_frac", "is_weight_mean", "is_weight_max", "is_clamped_frac", "approx_kl",
                                 "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "kl_ref",
-                                "entropy"])
+                                "entropy", "train_rollout_logprob_abs_diff_hist",
+                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total"])
+    hist = m.pop("train_rollout_logprob_abs_diff_hist")
+    assert hist.shape == (162,) and int(hist.sum()) == int(mask.sum())
     assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
     assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(float((old - rollout).abs()[mask].mean()))
     loss.backward()
@@ -335,5 +338,7 @@ def test_ppo_clip_is_bit_identical_to_the_loss_before_the_registry(seed, dtype):
                     loss.backward()
                     out += [loss.detach(), x.grad, m]
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                assert sorted(got[2]) == sorted([*want[2], "train_rollout_logprob_abs_diff_max"])  # logged since
+                logged_since = ["train_rollout_logprob_abs_diff_max", "train_rollout_logprob_abs_diff_hist",
+                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total"]
+                assert sorted(got[2]) == sorted([*want[2], *logged_since])
                 assert all(torch.equal(got[2][k], want[2][k]) for k in want[2]), (agg, is_clamp, kl_coef)
