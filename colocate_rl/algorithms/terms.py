@@ -8,6 +8,7 @@ anything finite: they are selected away with ``torch.where``, never multiplied b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -44,9 +45,17 @@ GAP_EDGES = torch.logspace(-8, 2, 161, dtype=torch.float64)
 def gap_histogram(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """diff [B, T] (≥ 0), mask [B, T] bool → [162] float64 token counts: bin 0 holds diff < 1e-8
     (exact zeros), bin i holds GAP_EDGES[i-1] ≤ diff < GAP_EDGES[i], bin 161 holds diff ≥ 100."""
-    edges = GAP_EDGES.to(diff.device)
-    index = torch.bucketize(diff[mask].double(), edges, right=True)
-    return torch.bincount(index, minlength=len(edges) + 1).double()
+    edges = _gap_edges(diff.device)
+    index = torch.bucketize(torch.where(mask, diff, 0).double().reshape(-1), edges, right=True)
+    # index_add_ rather than bincount or boolean indexing: both read a size back from the device,
+    # a sync per micro-batch. Off-mask tokens are counted with weight 0.
+    counts = torch.zeros(len(edges) + 1, dtype=torch.float64, device=diff.device)
+    return counts.index_add_(0, index, mask.reshape(-1).double())
+
+
+@functools.lru_cache(maxsize=None)
+def _gap_edges(device: torch.device) -> torch.Tensor:
+    return GAP_EDGES.to(device)
 
 
 def histogram_quantile(hist: torch.Tensor, q: float) -> float:
