@@ -15,5 +15,6 @@ from colocate_rl.algorithms.terms import (
 
 __all__ = [
     "ADVANTAGES", "AdvantageFn", "KL_ESTIMATORS", "LOSS_AGG", "LossInputs", "POLICY_LOSSES", "PolicyLossFn",
-    "gap_summary", "get_advantage_fn", "get_policy_loss", "global_counts", "grpo", "logprob_abs_diff", "masked_mean", "policy_loss",
+    "gap_summary", "get_advantage_fn", "get_policy_loss", "global_counts", "grpo", "logprob_abs_diff", "masked_mean",
+    "policy_loss",
 ]
