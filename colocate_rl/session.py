@@ -114,10 +114,17 @@ def start_session(cfg: C.Config) -> Session:
 
 
 def check_model_folder(path: str) -> None:
-    """A local model folder must hold weights (hub ids are resolved by the engines themselves)."""
+    """A local model folder must hold weights and name its model class (hub ids are resolved by the
+    engines themselves)."""
     p = Path(path)
     if p.is_dir() and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
+    config = p / "config.json"
+    if config.is_file() and not json.loads(config.read_text()).get("architectures"):
+        # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
+        # embedding model and failed far from the cause.
+        raise C.ConfigError(f"model.path={path}: config.json has no 'architectures' (the model class, "
+                            "e.g. [\"Qwen3ForCausalLM\"])")
 
 
 def check_tokenizer_fits(tokenizer, cfg: C.Config) -> None:

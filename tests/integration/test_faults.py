@@ -147,6 +147,19 @@ def test_model_folder_without_weights_stops_in_one_line(tmp_path, tiny_model):
         start_session(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(bare)}))
 
 
+def test_model_folder_without_architectures_stops_in_one_line(tmp_path, tiny_model):
+    import json
+    import shutil
+
+    folder = tmp_path / "noarch"
+    shutil.copytree(tiny_model("qwen3-tiny"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"^model.path={folder}: config.json has no 'architectures' "):
+        start_session(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(folder)}))
+
+
 def test_tokenizer_that_does_not_fit_the_model_stops_in_one_line(tmp_path, tiny_model):
     from colocate_rl.models.tiny import build_qwen3_tokenizer
 
