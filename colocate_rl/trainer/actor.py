@@ -445,7 +445,7 @@ class Actor:
         if ps.is_pipeline_last_stage():
             keys = sorted(k for k in per_micro[0] if k != "n_tokens")
             n = torch.stack([torch.as_tensor(m["n_tokens"], dtype=torch.float64) for m in per_micro]).to(self.device)
-            vals = {k: torch.stack([torch.as_tensor(m[k]).double() for m in per_micro]).to(self.device) for k in keys}
+            vals = {k: torch.stack([m[k].double() for m in per_micro]).to(self.device) for k in keys}
             summed = {k for k in keys if k == "loss" or k.endswith(("_total", "_hist"))}
             # One flat vector for one all-reduce: a scalar per key, a histogram's bins in a row.
             parts = [vals[k].sum(0) if k in summed else (vals[k] * n).sum() for k in keys]
