@@ -2,12 +2,16 @@
 released-format checkpoint (FP8 e4m3 128x128 blocks with ue8m0 scales, MXFP4 routed experts)
 receives bf16 weights quantized on the sender (weight_sync/quantize.py) three times in a row,
 each after a sleep at level 2 (which discards every tensor it holds) and a wake of its weights;
-after each sync its forward must be that of an engine started from a checkpoint of those same
-weights: both score the same sequences (one prefill per row) within 1e-3 per token of what two engines
-started from that checkpoint differ by, and hold the same state. That holds only
-if every quantized layer's post-load processing (FP8 scale packing, MXFP4 expert re-layout) ran on
-the complete new weights, and the tensors vLLM's DeepSeek-V4 loader writes around its weight loaders
-(attention sinks) or never receives (hash-routing tables) came through the reload (rollout/reload.py).
+after each sync the engine must hold, bit for bit, the state of an engine started from a checkpoint
+of those same weights. That holds only if every quantized layer's post-load processing (FP8 scale
+packing, MXFP4 expert re-layout) ran on the complete new weights, and the tensors vLLM's DeepSeek-V4
+loader writes around its weight loaders (attention sinks) or never receives (hash-routing tables)
+came through the reload (rollout/reload.py).
+
+The state, not the logprobs, is the exact check: vLLM's DeepSeek-V4 forward is not deterministic run
+to run. On an H200 the same engine scoring the same sequences twice differed by up to 0.46 per token
+(mean ~0.04) on this random-weight model, with identical state (gpu_tests_h200_2026-12-02b.json).
+The logprobs are printed beside that noise and must sit nearer the target than the control does.
 
 Needs what benchmarks/dsv4_parity_gpu.py needs: vLLM 0.26's GPU build and the packages
 scripts/dsv4_gpu_wheels.sh gathers (tilelang, the CuTe DSL, a CUDA compiler for the JITs). The
@@ -114,14 +118,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
-    """Syncs to T1, back to the start weights, and to T1 again, each after a level-2 sleep. The
-    references are the engine itself before its first sync (started from the start checkpoint) and
-    engines started from T1's checkpoint; the middle sync checks that a sync overwrites what an
-    earlier one wrote. After the first sync the engine's whole state (every parameter and buffer as
-    vLLM holds it) must equal a T1 engine's, and the quantizer run on the GPU must write the bytes
-    the checkpoint holds. Scores may differ between engine processes by what two engines started
-    from the same checkpoint differ by (kernel choices); a sync may add at most 1e-3 to that."""
+def test_three_syncs_leave_the_state_of_engines_started_from_the_same_weights(tmp_path):
+    """Syncs to T1, back to the start weights, and to T1 again, each after a level-2 sleep. After
+    each sync the engine's whole state (every parameter and buffer as vLLM holds it) must equal that
+    of an engine started from the target's checkpoint: for the start weights, the engine itself
+    before its first sync; for T1, an engine started from T1's checkpoint (the middle sync checks that
+    a sync overwrites what an earlier one wrote). The quantizer run on the GPU must write the bytes
+    the checkpoint holds. Logprobs on the same sequences are compared against what two engines
+    started from one checkpoint, and one engine scoring twice, differ by (printed, and bounded by
+    the control: a sync that did not land scores like the other weights)."""
     from colocate_rl.models.deepseek_v4 import synth
     from colocate_rl.weight_sync.quantize import quantize_named, sync_plan
 
@@ -142,8 +147,9 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
         quantizer_differs = sorted(n for n, t in on_cpu.items() if not torch.equal(_bytes(on_gpu[n]), _bytes(t)))
         seqs = sample(eng)  # the sequences every check scores, as one prefill per row
         want = {"start": eng.prefill_logprobs(seqs)}
-        noise = {"one engine twice": gap(eng.prefill_logprobs(seqs), want["start"], seqs.loss_mask)[1]}
-        synced, state = [], None
+        noise = {"one engine twice": gap(eng.prefill_logprobs(seqs), want["start"], seqs.loss_mask)}
+        states = {"start": eng.state_checksums()[0]}
+        synced = []
         for _, target in targets:
             # As the colocated handoff does: sleep at level 2 discards every tensor the engine holds,
             # so the sync must give each one back (the frozen routing state too).
@@ -153,8 +159,7 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
             stats = eng.update_weights(quantize_named(iter(sent), plan), bucket_mb=16)  # many buckets
             eng.wake(["kv_cache"])
             assert stats.bytes > 0
-            state = state or eng.state_checksums()[0]
-            synced.append((eng.prefill_logprobs(seqs), sample(eng).tokens))
+            synced.append((eng.state_checksums()[0], eng.prefill_logprobs(seqs), sample(eng).tokens))
     finally:
         eng.shutdown()
 
@@ -167,28 +172,32 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
             if i == 0:
                 want["T1"], drawn = scores, sample(ref).tokens
             else:
-                noise["two T1 engines"] = gap(scores, want["T1"], seqs.loss_mask)[1]
+                noise["two T1 engines"] = gap(scores, want["T1"], seqs.loss_mask)
             ref_states.append(ref.state_checksums()[0])
         finally:
             ref.shutdown()
+    states["T1"] = ref_states[0]
 
     # Everything is printed before the first assertion: a failing run says which tensors and syncs.
     mask = seqs.loss_mask
     # Buffers that differ between two fresh engines hold scratch (what the last forward left), not weights.
-    scratch = sorted(n for n in ref_states[0] if ref_states[1].get(n) != ref_states[0][n])
-    differ = sorted(n for n in ref_states[0] if state.get(n) != ref_states[0][n] and n not in scratch)
+    scratch = {n for n in ref_states[0] if ref_states[1].get(n) != ref_states[0][n]}
     print(f"quantizer on the GPU vs the checkpoint's bytes: {len(quantizer_differs)} of {len(on_cpu)} tensors "
           "differ" + (f": {', '.join(quantizer_differs[:10])}" if quantizer_differs else ""), flush=True)
-    print(f"engine state after sync 1 vs the T1 engine: {len(differ)} of {len(ref_states[0])} tensors differ"
-          + (f": {', '.join(differ[:20])}" if differ else "")
-          + f"; scratch (differs between the two T1 engines): {scratch}", flush=True)
-    print(f"noise, max |logprob diff| on the same sequences: {noise}", flush=True)
-    control = gap(want["T1"], want["start"], mask)[1]
-    print(f"control: T1's checkpoint against the start checkpoint on the same sequences: max {control:.2e}", flush=True)
-    worst = {}
-    for k, ((name, _), (scores, tokens)) in enumerate(zip(targets, synced), 1):
-        mean, worst[k] = gap(scores, want[name], mask)
-        line = f"sync {k} (to {name}): prefill |logprob diff| mean {mean:.2e} max {worst[k]:.2e}"
+    print(f"scratch buffers (differ between the two T1 engines): {sorted(scratch)}", flush=True)
+    print("noise, |logprob diff| (mean, max) on the same sequences: "
+          + ", ".join(f"{k} ({m:.2e}, {x:.2e})" for k, (m, x) in noise.items()), flush=True)
+    control = gap(want["T1"], want["start"], mask)
+    print(f"control: T1's checkpoint against the start checkpoint: mean {control[0]:.2e} max {control[1]:.2e}",
+          flush=True)
+    differ, gaps = {}, {}
+    for k, ((name, _), (state, scores, tokens)) in enumerate(zip(targets, synced), 1):
+        expect = states[name]
+        differ[k] = sorted(n for n in set(expect) | set(state) if state.get(n) != expect.get(n) and n not in scratch)
+        gaps[k] = gap(scores, want[name], mask)
+        line = (f"sync {k} (to {name}): {len(differ[k])} of {len(expect)} state tensors differ"
+                + (f" ({', '.join(differ[k][:10])})" if differ[k] else "")
+                + f"; prefill |logprob diff| mean {gaps[k][0]:.2e} max {gaps[k][1]:.2e}")
         if name == "T1":
             # For the record only: at temperature 1 a logprob off by 1e-4 may flip a draw, and every
             # later token of that row then differs.
@@ -196,10 +205,8 @@ def test_three_syncs_score_as_engines_started_from_the_same_weights(tmp_path):
             line += f"; the same sampled tokens as T1's engine: {(drawn[:, :w] == tokens[:, :w]).float().mean():.1%}"
         print(line, flush=True)
     assert not quantizer_differs, f"the GPU quantizer writes other bytes than the checkpoint in {quantizer_differs[:5]}"
-    assert len(ref_states[0]) > 0 and set(state) == set(ref_states[0])
-    assert not differ, f"after sync 1 the engine holds other values than the T1 engine in {len(differ)} tensors"
-    tolerance = 1e-3 + max(noise.values())
-    assert control > 4 * tolerance, f"control {control:.2e}: the engines' noise ({noise}) hides a wrong sync"
+    assert len(states["start"]) > 0 and len(scratch) < len(states["start"]) / 2
     for k, (name, _) in enumerate(targets, 1):
-        assert worst[k] <= tolerance, (f"sync {k}: max |logprob diff| {worst[k]:.2e} against the engine started "
-                                       f"from {name} (noise {noise})")
+        assert not differ[k], f"after sync {k} the engine holds other values than the {name} engine in {differ[k][:5]}"
+        assert gaps[k][0] < control[0], (f"sync {k}: mean |logprob diff| {gaps[k][0]:.2e} against the {name} engine "
+                                         f"is not below the control's {control[0]:.2e}")
