@@ -69,8 +69,9 @@ class MemoryPlan:
     actor parts that leave the device while vLLM runs.
 
     parts: actor_params, actor_grads, actor_optimizer, activations, rollout_weights, kv_cache,
-    sync_buckets, runtime (CUDA contexts, allocator slack). host: bytes of pinned host memory a node
-    needs for what is offloaded (and host-resident optimizer state)."""
+    sync_buckets, runtime (CUDA contexts, allocator slack). host: bytes of host memory a node holds
+    for the run beyond its processes themselves (``host_parts``: host Adam state, offloaded actor
+    parts, the engines' weights while asleep at level 1), and the node's memory (0 = unchecked)."""
 
     capacity: int = 0
     parts: dict[str, int] = field(default_factory=dict)
@@ -80,8 +81,23 @@ class MemoryPlan:
     # awake engine: then the handoff is the weight sync alone.
     rollout_sleeps: bool = True
     reference_resident: bool = False  # actor.ref_on_device: the reference stays through the rollout too
-    host_per_node: int = 0
+    host_parts: dict[str, int] = field(default_factory=dict)  # per node
+    host_capacity: int = 0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_per_node(self) -> int:
+        return sum(self.host_parts.values())
+
+    def host_error(self) -> Optional[str]:
+        """One line when the node's memory cannot hold what the plan puts there. 10% is left for the
+        processes themselves (each holds a few GiB of libraries and buffers)."""
+        if not self.host_capacity or self.host_per_node <= 0.9 * self.host_capacity:
+            return None
+        top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(self.host_parts.items(), key=lambda kv: -kv[1]) if v)
+        return (f"host memory: the run keeps {self.host_per_node / GiB:.1f} GiB per node in host memory ({top} GiB) "
+                f"of the node's {self.host_capacity / GiB:.1f} GiB; actor.optimizer_state_dtype=bfloat16 takes host "
+                "Adam from 12 to 8 bytes per parameter, rollout.sleep_level=2 keeps no engine weights there")
 
     def kept(self) -> list[str]:
         """Plan parts of the actor that stay on the device while vLLM runs."""
@@ -153,7 +169,10 @@ class MemoryPlan:
             where = "" if self.colocated else (" (actor GPUs)" if p == Phase.ACTOR else " (rollout GPUs)")
             lines.append(f"  {p.value:<16}{need / GiB:8.2f} GiB{where}{got}{mark}")
         if self.host_per_node:
-            lines.append(f"  host memory per node for offloaded state: {self.host_per_node / GiB:.1f} GiB")
+            of = f" of {self.host_capacity / GiB:.1f}" if self.host_capacity else ""
+            lines.append(f"  host memory per node: {self.host_per_node / GiB:.1f}{of} GiB ("
+                         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.host_parts.items() if v) + ")"
+                         + ("  OVER" if self.host_error() else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -232,9 +251,16 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         if not layout.colocated or plan.overflow() is None:
             break
     gpus_per_node = max(layout.gpus_per_node, 1)
-    host = sum(parts[ACTOR_PARTS[p]] for p in plan.offload if p != "grads") if layout.colocated else 0
-    reference_host = parts.get("reference", 0) if not plan.reference_resident else 0
-    plan.host_per_node = int((host + reference_host + (opt_bytes if on_host else 0)) * gpus_per_node)
+    # Per node: every GPU's share of each (gradients are freed, not copied; an engine asleep at level
+    # 1 copies its weights to host memory).
+    plan.host_parts = {p: int(n * gpus_per_node) for p, n in {
+        "host Adam state": opt_bytes if on_host else 0,
+        "offloaded actor parts": (sum(parts[ACTOR_PARTS[p]] for p in plan.offload if p != "grads")
+                                  if layout.colocated else 0),
+        "reference": parts.get("reference", 0) if not plan.reference_resident else 0,
+        "engine weights asleep": (parts["rollout_weights"] if layout.colocated and plan.rollout_sleeps
+                                  and r.sleep_level == 1 else 0),
+    }.items()}
     return plan
 
 

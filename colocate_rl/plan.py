@@ -10,6 +10,7 @@ prints it (and the resolved config) on any machine, for any preset, without load
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -151,6 +152,7 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     if hf:
         try:
             family_for(hf).check_parallel(hf, lay.tp, lay.pp, lay.ep, sequence_parallel=cfg.actor.sequence_parallel)
+            family_for(hf).check_rollout(hf, cfg.rollout)
         except ValueError as e:
             if strict:
                 raise ConfigError(str(e)) from None
@@ -170,7 +172,9 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     device, capacity = device_summary(cfg, lay)
     memory = plan_memory(cfg, lay, size, capacity) if size else MemoryPlan(colocated=lay.colocated,
                                                                          notes=["model config unknown: no plan"])
-    err = plan_error(memory, f"{cfg.preset or 'this run'} does not fit")
+    if capacity and cfg.placement.accelerator == "auto" and C.machine_gpus():
+        memory.host_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this node's
+    err = plan_error(memory, f"{cfg.preset or 'this run'} does not fit") or memory.host_error()
     if err:
         if strict:
             raise ConfigError(err)

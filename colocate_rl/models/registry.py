@@ -85,6 +85,9 @@ class Family:
     # The memory plan's activation estimate (memory.plan_memory) times this: a family whose layers
     # hold more than a standard transformer's (calibrated from a measured run).
     activation_factor: float = 1.0
+    # (hf_config, RolloutConfig) -> raises ValueError naming the field when the rollout engine cannot
+    # serve the model with those settings (checked before anything starts)
+    check_rollout: Callable[[dict, Any], None] = lambda hf, rollout: None
 
 
 def load_hf_model(path: str, dtype) -> Any:

@@ -107,3 +107,22 @@ def test_mini_preset_has_the_released_width_and_fits_two_h200s():
     assert (one.model, one.rollout, one.actor) == (two.model, two.rollout, two.actor)
     plan = resolve(one)
     assert plan.memory.overflow() is None and plan.layout.colocated and plan.memory.rollout_sleeps
+
+
+def test_every_vllm_preset_keeps_the_kv_cache_in_fp8_and_another_dtype_stops_in_one_line():
+    """vLLM builds DeepSeek-V4's attention on its FP8 cache layout only: with kv_cache_dtype=auto
+    the engine failed an assertion inside its model constructor (on an H200,
+    benchmarks/results/dsv4_mini_kv_ablation_h200.json). The plan refuses it before anything starts."""
+    from colocate_rl.plan import resolve
+
+    mod = recipe()
+    for preset in ("mini", "mini-1gpu", "amd-3node", "colocated"):
+        if preset == "colocated" and mod.missing(preset):
+            continue
+        cfg = load(mod.config(preset), overrides=["placement.accelerator=h200"])
+        assert cfg.rollout.backend == "vllm"
+        assert str(cfg.rollout.engine_kwargs.get("kv_cache_dtype", "")).startswith("fp8"), preset
+    with pytest.raises(ConfigError, match=r"^rollout.engine_kwargs.kv_cache_dtype=auto: vLLM keeps DeepSeek-V4's KV "
+                                          r"cache in FP8 only"):
+        resolve(load(mod.config("mini-1gpu"), overrides=["placement.accelerator=h200",
+                                                         "rollout.engine_kwargs.kv_cache_dtype=auto"]))

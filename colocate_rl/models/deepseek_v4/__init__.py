@@ -46,6 +46,15 @@ def check_parallel(hf: dict, tp: int, pp: int, ep: int, sequence_parallel: bool 
         raise ValueError(f"actor.ep={ep} does not divide the model's n_routed_experts={h.num_experts}")
 
 
+def check_rollout(hf: dict, rollout) -> None:
+    """vLLM 0.26 builds DeepSeek-V4's attention on its fp8_ds_mla cache layout only; any other KV
+    cache dtype fails an assertion deep in its model constructor."""
+    kv = str(rollout.engine_kwargs.get("kv_cache_dtype", "auto"))
+    if rollout.backend == "vllm" and not kv.startswith("fp8"):
+        raise ValueError(f"rollout.engine_kwargs.kv_cache_dtype={kv}: vLLM keeps DeepSeek-V4's KV cache in FP8 only "
+                         "(its fp8_ds_mla layout); set it to fp8")
+
+
 def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
     """Megatron TransformerConfig: drives the MoE layer, the parallel linears and the schedule
     (the attention fields are the model's own, read from Hparams)."""
@@ -144,7 +153,8 @@ def hf_tensor(tensors: dict, name: str):
 FAMILY = register(Family(
     name="deepseek_v4", model_types=("deepseek_v4",), transformer_config=transformer_config,
     layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
-    build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor, moe_routing=moe_routing,
+    check_rollout=check_rollout, build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor,
+    moe_routing=moe_routing,
     # The mini preset's training step held 12.9 GiB beyond weights, gradients and optimizer chunks on
     # an H200 where the standard estimate says 3.8 (benchmarks/results/dsv4_mini_colocated_h200.json):
     # the chunked window + compressed-entry attention keeps fp32 scores, the mHC streams are 4 wide.
