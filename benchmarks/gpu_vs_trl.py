@@ -11,6 +11,10 @@ batch, token-mean loss. Both sides sleep vLLM at level 2 while training and wake
 cache. Ours: Megatron actor, bf16 params with fp32 main params. TRL: fp32 weights under bf16 autocast
 (its mixed precision), vllm_enable_sleep_mode=True. Each side runs in its own process, one after the
 other; the first step of each is warm-up and not counted.
+
+TRL's step time moved by up to 60% between machines, so one pair says little: ``--pairs 3`` runs
+ours, TRL, ours, TRL, ours, TRL on one machine and reports every pair's ratio, their median and
+their spread.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--fp32-residual", action="store_true", help="our actor.fp32_residual=true")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
+    ap.add_argument("--pairs", type=int, default=1, help="alternating (ours, TRL) runs; the ratio's median and spread")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--summarize", type=Path, metavar="DIR",
@@ -109,20 +114,28 @@ def main() -> None:
             ours["machine"] = {"gpu": smi.read_text().splitlines()[1].split(",")[0]}
         return write(args, summarize(args, ours, trl))
 
-    from colocate_rl.config import ArithmeticConfig
-    from colocate_rl.data.arithmetic import arithmetic_problems
     from colocate_rl.models.tiny import ensure_model
 
     root = Path(os.environ.get("COLOCATE_RL_CACHE", ".cache"))
     path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
     if args.job:
         return ours_job(args, path, root, args.job)
-    work = root / "gpu_vs_trl"
-    work.mkdir(parents=True, exist_ok=True)
-    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in settings(args).items()
-            if v is not False]
-    ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
+    results = []
+    for pair in range(args.pairs):
+        work = root / "gpu_vs_trl" / (f"pair{pair}" if args.pairs > 1 else "")
+        work.mkdir(parents=True, exist_ok=True)
+        results.append(summarize(args, *run_pair(args, path, work)))
+    write(args, results[0] if args.pairs == 1 else pairs_summary(results))
 
+
+def run_pair(args, path: Path, work: Path) -> tuple[dict, dict]:
+    """Ours, then TRL on the prompts ours drew, each in its own process; their records."""
+    from colocate_rl.config import ArithmeticConfig
+    from colocate_rl.data.arithmetic import arithmetic_problems
+
+    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in settings(args).items()
+            if v is not False and k != "pairs"]
+    ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
     spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,
             "grad_clip": 1.0, "eps_low": 0.2, "eps_high": 0.28, "budget_s": 0, "eval_every_s": 0, "eval": [],
             "eval_max_tokens": 4, "force_length": False, "out_dir": str(work / "trl-trainer"),
@@ -132,7 +145,25 @@ def main() -> None:
             "max_model_len": 32 + args.tokens}
     (work / "trl.spec.json").write_text(json.dumps(spec))
     trl = child([sys.executable, str(RUNNER), str(work / "trl.spec.json"), str(work / "trl.json")], "trl")
-    write(args, summarize(args, ours, trl))
+    return ours, trl
+
+
+def pairs_summary(results: list[dict]) -> dict:
+    """Alternating pairs: each pair's ratio (TRL's seconds per step over ours), their median and
+    spread, and each side's logprob gap per pair; every pair's full result beside them."""
+    ratios = [r["step_s_vs_trl"] for r in results]
+    return {
+        "benchmark": "gpu_vs_trl, alternating pairs",
+        "machine": results[0]["machine"], "settings": results[0]["settings"],
+        "step_s_vs_trl_median": statistics.median(ratios),
+        "step_s_vs_trl_spread": [min(ratios), max(ratios)],
+        "step_s_vs_trl_per_pair": ratios,
+        "ours_s_per_step_per_pair": [r["ours_s_per_step"] for r in results],
+        "trl_s_per_step_per_pair": [r["trl_s_per_step"] for r in results],
+        "ours_logprob_abs_diff_per_pair": [r["ours_logprob_abs_diff_mean"] for r in results],
+        "trl_logprob_abs_diff_per_pair": [r["trl_logprob_abs_diff_mean"] for r in results],
+        "pairs": results,
+    }
 
 
 def summarize(args, ours: dict, trl: dict) -> dict:
