@@ -83,6 +83,7 @@ class MemoryPlan:
     reference_resident: bool = False  # actor.ref_on_device: the reference stays through the rollout too
     host_parts: dict[str, int] = field(default_factory=dict)  # per node
     host_capacity: int = 0
+    host_fixes: list[str] = field(default_factory=list)  # settings that would hold less there
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,9 +96,9 @@ class MemoryPlan:
         if not self.host_capacity or self.host_per_node <= 0.9 * self.host_capacity:
             return None
         top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(self.host_parts.items(), key=lambda kv: -kv[1]) if v)
+        fixes = "; " + ", ".join(self.host_fixes) if self.host_fixes else ""
         return (f"host memory: the run keeps {self.host_per_node / GiB:.1f} GiB per node in host memory ({top} GiB) "
-                f"of the node's {self.host_capacity / GiB:.1f} GiB; actor.optimizer_state_dtype=bfloat16 takes host "
-                "Adam from 12 to 8 bytes per parameter, rollout.sleep_level=2 keeps no engine weights there")
+                f"of the node's {self.host_capacity / GiB:.1f} GiB{fixes}")
 
     def kept(self) -> list[str]:
         """Plan parts of the actor that stay on the device while vLLM runs."""
@@ -261,6 +262,10 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         "engine weights asleep": (parts["rollout_weights"] if layout.colocated and plan.rollout_sleeps
                                   and r.sleep_level == 1 else 0),
     }.items()}
+    if on_host and moment == 4:
+        plan.host_fixes.append("actor.optimizer_state_dtype=bfloat16 takes host Adam from 12 to 8 bytes per parameter")
+    if plan.host_parts["engine weights asleep"]:
+        plan.host_fixes.append("rollout.sleep_level=2 keeps no engine weights there")
     return plan
 
 
