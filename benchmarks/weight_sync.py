@@ -57,16 +57,19 @@ def build_bench_model(out: Path, dtype: str) -> Path:
 
 
 def resolve_model(name: str, dtype: str) -> Path:
-    from colocate_rl.models.tiny import SHAPES, ensure_model
+    from colocate_rl.models.tiny import SHAPES, ensure_model, shape_config
 
     cache = ROOT / ".cache" / "bench"
     if name == "bench":
         return build_bench_model(cache / f"qwen3-bench-{dtype}", dtype)
-    if name in SHAPES:
-        return ensure_model(name, cache / f"{name}-{dtype}", dtype=dtype)
     if (Path(name) / "config.json").is_file():
         return Path(name)
-    raise SystemExit(f"--model {name!r} is neither 'bench', one of {', '.join(SHAPES)}, nor an HF folder")
+    try:
+        shape_config(name)
+    except ValueError:
+        raise SystemExit(f"--model {name!r} is neither 'bench', one of {', '.join(SHAPES)} (optionally @<layers>), "
+                         "nor an HF folder") from None
+    return ensure_model(name, cache / f"{name}-{dtype}", dtype=dtype)
 
 
 def machine_info() -> dict:

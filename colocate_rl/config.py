@@ -29,7 +29,8 @@ class ModelConfig:
     tokenizer: str = ""  # defaults to path
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16: actor params and rollout weights
     # Non-empty: write a small random-weight model of this shape to `path` when it does not exist
-    # (the tiny CPU recipes; no hub needed). One of colocate_rl.models.tiny.SHAPES.
+    # (the tiny CPU recipes; no hub needed). One of colocate_rl.models.tiny.SHAPES; "name@L" keeps a Qwen3
+    # shape's first L layers (a real width on fewer GPUs).
     synthesize: str = ""
     trust_remote_code: bool = False
 

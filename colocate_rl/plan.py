@@ -19,7 +19,7 @@ from colocate_rl import platform
 from colocate_rl.config import Config, ConfigError, Layout
 from colocate_rl.memory import ACCELERATORS, MemoryPlan, plan_error, plan_memory
 from colocate_rl.models.registry import ModelSize, family_for, model_size, moe_routing
-from colocate_rl.models.tiny import SHAPES, known_config
+from colocate_rl.models.tiny import known_config, shape_config
 
 
 @dataclass
@@ -101,9 +101,10 @@ def model_config(cfg: Config) -> dict:
     published model's known config; {} when only the hub knows it."""
     hf = known_config(cfg.model.path)
     if not hf and cfg.model.synthesize:
-        if cfg.model.synthesize not in SHAPES:
-            raise ConfigError(f"model.synthesize={cfg.model.synthesize!r} is not one of {', '.join(SHAPES)}")
-        hf = known_config(cfg.model.synthesize)
+        try:
+            hf = shape_config(cfg.model.synthesize)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return hf
 
 

@@ -112,6 +112,25 @@ HUB_SHAPES = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-4B": "qwen3-4b", "Qwe
               "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "deepseek-ai/DeepSeek-V4-Flash": "deepseek-v4-flash"}
 
 
+def shape_config(shape: str) -> dict:
+    """The HF config of one of SHAPES, or of ``name@L``: shape ``name`` with only its first L decoder
+    layers (a real width on fewer GPUs: ``qwen3-30b-a3b@12`` is 8.1B parameters). Raises ValueError
+    naming model.synthesize for an unknown shape, or a layer count the shape cannot take."""
+    name, _, layers = shape.partition("@")
+    if name not in SHAPES:
+        raise ValueError(f"model.synthesize={shape!r} is not one of {', '.join(SHAPES)} (optionally @<layers>)")
+    spec = dict(SHAPES[name])
+    if layers:
+        # Per-layer lists (DeepSeek-V4's compress_ratios, a Qwen3-MoE's mlp_only_layers) would each
+        # need their own cut; the Qwen3 shapes have none.
+        if not layers.isdigit() or not 1 <= int(layers) <= spec["num_hidden_layers"] or \
+                not spec["model_type"].startswith("qwen3") or spec.get("mlp_only_layers"):
+            raise ValueError(f"model.synthesize={shape!r}: @<layers> takes 1 to {spec['num_hidden_layers']} of a "
+                             "Qwen3 shape's layers")
+        spec["num_hidden_layers"] = int(layers)
+    return spec
+
+
 def known_config(path: str) -> dict:
     """The HF config of a local model folder, of a shape named in SHAPES, or of a published model in
     HUB_SHAPES; {} when none is known (a hub id resolved later by the engines)."""
@@ -123,7 +142,10 @@ def known_config(path: str) -> dict:
         from colocate_rl.models.deepseek_v4.synth import FLASH
 
         return json.loads(json.dumps(FLASH))
-    return dict(SHAPES.get(shape, {}))
+    try:
+        return shape_config(shape)
+    except ValueError:
+        return {}
 
 
 def _corpus() -> list[str]:
@@ -180,10 +202,8 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
     """Writes config.json, model.safetensors and the tiny tokenizer for one of SHAPES."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if shape not in SHAPES:
-        raise ValueError(f"model.synthesize={shape!r} is not one of {', '.join(SHAPES)}")
+    spec = shape_config(shape)
     out = Path(out_dir)
-    spec = dict(SHAPES[shape])
     tokenizer = build_tokenizer(out)
     if len(tokenizer) > spec["vocab_size"]:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than {shape}'s vocab_size")
@@ -203,7 +223,7 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
     (out / "generation_config.json").write_text(json.dumps(gen))
     from colocate_rl.models.registry import model_size
 
-    if model_size(SHAPES[shape]).total < DIRECT_INIT_PARAMS:
+    if model_size(shape_config(shape)).total < DIRECT_INIT_PARAMS:
         import shutil
 
         torch.manual_seed(seed)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from colocate_rl.models.tiny import SHAPES, build_qwen3_tokenizer, build_tokenizer
 
 
@@ -26,3 +28,26 @@ def test_real_qwen3_vocabulary_offline(tmp_path):
 
 def test_head_dim_fits_vllm_cpu():
     assert all(s["head_dim"] >= 32 for s in SHAPES.values())  # vLLM's CPU attention rejects 16
+
+
+def test_a_real_width_shape_with_fewer_layers(tmp_path):
+    """model.synthesize=<shape>@<layers>: Qwen3-30B-A3B's width (128 experts of 768, hidden 2048)
+    with 12 of its 48 layers is 8.1B parameters, one H200's worth; the plan reads it, and what
+    cannot be cut (DeepSeek-V4's per-layer lists, more layers than the model has) stops naming the field."""
+    from colocate_rl.config import Config, ConfigError, load
+    from colocate_rl.models.registry import model_size
+    from colocate_rl.models.tiny import SHAPES, build_model, shape_config
+    from colocate_rl.plan import model_config
+
+    cut = shape_config("qwen3-30b-a3b@12")
+    assert cut == {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 12}
+    assert 8.0e9 < model_size(cut).total < 8.3e9
+    for bad in ("qwen3-30b-a3b@49", "qwen3-30b-a3b@0", "qwen3-8b@x", "deepseek-v4-mini@2", "qwen3-9b"):
+        with pytest.raises(ValueError, match=r"^model.synthesize="):
+            shape_config(bad)
+    cfg = load(Config(), overrides=[f"model.path={tmp_path / 'm'}", "model.synthesize=qwen3-30b-a3b@12"])
+    assert model_config(cfg)["num_hidden_layers"] == 12
+    with pytest.raises(ConfigError, match=r"^model.synthesize='qwen3-8b@37': @<layers> takes 1 to 36"):
+        model_config(load(Config(), overrides=[f"model.path={tmp_path / 'm'}", "model.synthesize=qwen3-8b@37"]))
+    hf = json.loads((build_model("qwen3-moe-tiny@1", tmp_path / "one") / "config.json").read_text())
+    assert hf["num_hidden_layers"] == 1 and hf["num_experts_per_tok"] == SHAPES["qwen3-moe-tiny"]["num_experts_per_tok"]
