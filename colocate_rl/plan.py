@@ -164,8 +164,11 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
                               "experts to replay")
         family = family_for(hf)
         if cfg.rollout.exact and family.exact_layer_spec is None:
-            raise ConfigError(f"rollout.exact=true covers Qwen3 dense models; {family.name} has no exact "
+            raise ConfigError(f"rollout.exact=true covers Qwen3 dense and MoE models; {family.name} has no exact "
                               "forward (models/exact.py)")
+        if cfg.rollout.exact and moe_routing(hf) is not None and lay.tp * lay.ep > 1:
+            raise ConfigError(f"rollout.exact=true runs a MoE block on one rank: actor.tp={lay.tp} and "
+                              f"actor.ep={lay.ep} must both be 1 (vLLM's fused experts are called whole)")
         size = model_size(hf)
     if cfg.rollout.exact and not lay.on_gpu:
         raise ConfigError("rollout.exact=true needs CUDA GPUs: vLLM's batch-invariant kernels (FlashAttention 3, "

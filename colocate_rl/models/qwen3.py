@@ -210,12 +210,12 @@ def verify_names(hf: dict) -> list[str]:
 
 
 def _exact_layer_spec(config, hf: dict):
-    from colocate_rl.models.exact import dense_layer_spec
+    from colocate_rl.models.exact import layer_spec
 
-    return dense_layer_spec(config, _rope_theta(hf), hf["max_position_embeddings"])
+    return layer_spec(config, _rope_theta(hf), hf["max_position_embeddings"])
 
 
-for _name, _types, _exact in (("qwen3", ("qwen3",), _exact_layer_spec), ("qwen3_moe", ("qwen3_moe",), None)):
-    register(Family(name=_name, model_types=_types, transformer_config=transformer_config, layer_spec=layer_spec,
+for _name in ("qwen3", "qwen3_moe"):
+    register(Family(name=_name, model_types=(_name,), transformer_config=transformer_config, layer_spec=layer_spec,
                     model_kwargs=model_kwargs, params=params, check_parallel=check_parallel,
-                    verify_names=verify_names, moe_routing=moe_routing, exact_layer_spec=_exact))
+                    verify_names=verify_names, moe_routing=moe_routing, exact_layer_spec=_exact_layer_spec))

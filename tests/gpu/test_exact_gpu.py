@@ -1,7 +1,8 @@
 """Exact on-policy mode on a GPU (rollout.exact, models/exact.py), Qwen3-0.6B shape in bf16:
 
 - the actor's forward equals vLLM's own forward over the same sequences (its prefill, read back as
-  prompt logprobs): every kernel is vLLM's, op for op;
+  prompt logprobs): every kernel is vLLM's, op for op; also for a small Qwen3-MoE, whose blocks run
+  vLLM's top-k and fused experts;
 - the exact forward's gradients are autograd's (the default model's, within bf16 rounding);
 - the goal, not yet met (xfail, strict): the actor's logprobs equal the sampler's on every token of
   every step, so every IS weight is exactly 1. vLLM 0.26's logprobs taken while it generates differ
@@ -38,8 +39,9 @@ def session_cfg(tmp_path, model):
         "actor.micro_batch_size": "8", "actor.lr": "1e-5"})
 
 
-def test_actor_forward_is_vllms_forward(tmp_path, tiny_model):
-    cfg = session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"))
+@pytest.mark.parametrize("shape", [SHAPE, "qwen3-moe-small"])
+def test_actor_forward_is_vllms_forward(tmp_path, tiny_model, shape):
+    cfg = session_cfg(tmp_path, tiny_model(shape, dtype="bfloat16"))
     cfg.rollout.temperature = 1.0  # vLLM's prompt logprobs are the model's own (no temperature)
     s = start_session(cfg)
     try:

@@ -23,8 +23,13 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     # On the CPU: vLLM's batch-invariant kernels have no CPU build.
     one_line(lambda: plan.resolve(cfg(**{"placement.gpus_per_node": 0})), "rollout.exact=true needs CUDA GPUs")
     # A family without an exact forward (checked before the device).
-    one_line(lambda: plan.resolve(cfg("Qwen/Qwen3-30B-A3B", **{"placement.gpus_per_node": 0})),
-             "covers Qwen3 dense models; qwen3_moe has no exact forward")
+    one_line(lambda: plan.resolve(cfg("deepseek-ai/DeepSeek-V4-Flash", **{"placement.gpus_per_node": 0,
+                                                                       "rollout.engine_kwargs.kv_cache_dtype": "fp8"})),
+             "covers Qwen3 dense and MoE models; deepseek_v4 has no exact forward")
+    # A MoE block is vLLM's fused experts called whole, on one rank.
+    one_line(lambda: plan.resolve(cfg("Qwen/Qwen3-30B-A3B", **{"placement.gpus_per_node": 2, "actor.ep": 2,
+                                                               "placement.accelerator": "h200"})),
+             "rollout.exact=true runs a MoE block on one rank: actor.tp=1 and actor.ep=2")
     # Sums split over another number of ranks round differently; an fp32 residual stream is not vLLM's.
     one_line(lambda: cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2}), r"tensor_parallel_size \(1\) == actor.tp \(2\)")
     one_line(lambda: cfg(**{"actor.fp32_residual": "true"}), "unset actor.fp32_residual")
@@ -39,7 +44,7 @@ def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
     config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
                                **exact.config_fields())
-    spec = exact.dense_layer_spec(config, 1e6, 4096, pp_rank=0)  # pp_rank: no process group needed
+    spec = exact.layer_spec(config, 1e6, 4096, pp_rank=0)  # pp_rank: no process group needed
     after_add = [(layer.submodules.input_layernorm.params["after_add"],
                   layer.submodules.pre_mlp_layernorm.params["after_add"]) for layer in spec.layer_specs]
     # vLLM normalises the embedding alone; every later norm is fused with the residual add.
