@@ -135,8 +135,8 @@ class Handoff:
 class ColocatedHandoff(Handoff):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # The placement starts the engine with the actor wholly offloaded (it sizes its KV cache then);
-        # what the plan keeps beside a running engine comes back now, and stays.
+        # The placement started the engine with the plan's parts offloaded (placement/base.py launch);
+        # a placement started with every part offloaded gets back what the plan keeps, to stay.
         kept = [p for p in ACTOR_PARTS if p not in self.plan.offload]
         if kept:
             self.workers.actor.onload(kept)

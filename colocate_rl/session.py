@@ -98,7 +98,7 @@ def start_session(cfg: C.Config) -> Session:
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
-    workers = launch(cfg)  # colocated or disaggregated, by placement.mode
+    workers = launch(cfg, plan.memory.offload)  # colocated or disaggregated, by placement.mode
     handoff = workers.handoff_class(cfg, workers, plan.memory, measure=workers.device_used)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
     s = Session(

@@ -3,14 +3,14 @@
 A placement starts the actor ranks and the engines somewhere (this process, Ray actors sharing
 GPUs, Ray placement groups of their own) and hands back a ``Workers``: the same handles whatever
 the layout, so the loop and the handoff never ask where things run. Adding a placement is one
-module with a ``launch(cfg) -> Workers`` plus one line in ``PLACEMENTS``.
+module with a ``launch(cfg, offload) -> Workers`` plus one line in ``PLACEMENTS``.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from colocate_rl.config import Config, layout
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -99,6 +99,9 @@ def check_shared_folder(cfg: Config, folder: Path) -> None:
     check(folder)
 
 
-def launch(cfg: Config) -> Workers:
+def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> Workers:
+    """The run's workers. ``offload``: the actor parts the memory plan keeps off the device while
+    vLLM runs (memory.MemoryPlan.offload; None: every part); a colocated placement builds the actor,
+    moves those out, then starts the engines, so only what must move ever moves."""
     module, _, fn = PLACEMENTS[(cfg.placement.mode, launcher(cfg))].partition(":")
-    return getattr(importlib.import_module(module), fn)(cfg)
+    return getattr(importlib.import_module(module), fn)(cfg, offload)

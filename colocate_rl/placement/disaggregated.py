@@ -34,7 +34,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -325,7 +325,8 @@ def _place(p: Pools) -> tuple[list, list, list]:
     return [g.pg for g in actor + rollout], slots[0], slots[1]
 
 
-def launch(cfg: Config) -> RayDisaggregated:
+def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayDisaggregated:
+    """(``offload`` is for colocated placements: here the actor owns its GPUs.)"""
     p = pools(cfg)
     start_ray(cfg, num_cpus=int(sum(b.get("CPU", 0) for b in p.actor + p.rollout)) + 1)
     pgs, rank_slots, engine_slots = _place(p)

@@ -4,7 +4,7 @@ share the device; weights still travel as IPC handles (shared memory on CPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from colocate_rl.config import Config
 from colocate_rl.handoff import ColocatedHandoff, measure_device
@@ -55,9 +55,10 @@ class LocalColocated:
         self.rollout.shutdown()
 
 
-def launch(cfg: Config) -> LocalColocated:
+def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> LocalColocated:
     actor = Actor(cfg)
-    # The rollout owns the device first: the actor starts offloaded, the engine profiles free memory.
-    actor.offload()
+    # What the plan keeps off the device while vLLM runs leaves before the engine starts and sizes
+    # its KV cache; the rest stays (placement/base.py launch).
+    actor.offload(None if offload is None else list(offload))
     rollout = make_rollout(cfg)
     return LocalColocated(cfg, actor, rollout, engine_quantization(rollout))

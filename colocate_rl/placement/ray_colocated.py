@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -122,12 +122,12 @@ class ActorRank(_Host):
     def __init__(self, authkey: bytes):
         super().__init__({}, authkey)
 
-    def start(self, cfg: Config, env: dict[str, str]) -> None:
+    def start(self, cfg: Config, env: dict[str, str], offload: Optional[Sequence[str]] = None) -> None:
         os.environ.update(env)  # before torch.distributed, NCCL or CUDA start
         from colocate_rl.trainer import Actor
 
         self.obj = Actor(cfg)
-        self.obj.offload()  # the rollout owns the device first
+        self.obj.offload(None if offload is None else list(offload))  # before the engines start (launch)
 
     def device_uuid(self) -> str:
         from colocate_rl.weight_sync.ipc import device_uuid
@@ -423,7 +423,7 @@ def bundles_and_share(world: int, gpu: bool) -> tuple[list[dict], dict]:
     return bundles, ({"num_gpus": 0.5, "num_cpus": 0.5} if gpu else {"num_cpus": 0.5})
 
 
-def launch(cfg: Config) -> RayColocated:
+def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayColocated:
     lay = layout(cfg)
     start_ray(cfg)
     gpu, rpn, epn, tp = lay.on_gpu, lay.ranks_per_node, lay.engines_per_node, lay.engine_tp
@@ -448,7 +448,11 @@ def launch(cfg: Config) -> RayColocated:
         k, i = divmod(rank, rpn)
         env = {**(platform.visible_devices_env(node_gpus[k]) if gpu else {}), **net, **master, "RANK": str(rank),
                "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(i), "OMP_NUM_THREADS": "1"}
-        started.append(r.start.remote(cfg, env))
+        started.append(r.start.remote(cfg, env, offload))
+    group = ActorGroup(ranks, names)
+    # The engines start once every rank holds only what the plan keeps beside them: an engine
+    # checks the free memory against its share of the card and sizes its KV cache at start.
+    group.get(started, "start")
 
     def start_engine(e: int):
         k, j = divmod(e, epn)  # engine j of node k: that node's j-th TP group of GPUs
@@ -458,8 +462,6 @@ def launch(cfg: Config) -> RayColocated:
 
     engines = EngineGroup([start_engine(e) for e in range(lay.engines)], cfg.rollout.max_response_tokens,
                           cfg.rollout.n)
-    group = ActorGroup(ranks, names)
-    group.get(started, "start")
     uuids = group.get([r.device_uuid.remote() for r in ranks], "start")
     node_senders = senders_by_node(uuids, [rank // rpn for rank in range(len(ranks))], lay.nnodes)
     return RayColocated(cfg, group, engines, [g.pg for g in groups], node_senders,
