@@ -376,18 +376,16 @@ class ExactMoELayer(MoELayer):
         logits = F.linear(x, self.router.weight)  # aten::mm: vLLM's batch-invariant matmul (enable)
         k, renormalize = cfg.moe_router_topk, not cfg.moe_router_pre_softmax
         own_ids, own_weights = vllm_topk(x, logits, k, renormalize)
-        ids, forward_weights = own_ids, own_weights
+        ids = own_ids
         replay = getattr(self.router, "router_replay", None)
         replayed = replay.replay.ids(replay.column, s * b, k) if replay is not None else None
-        formula = routing_weights(logits, own_ids if replayed is None else replayed, renormalize)
         if replayed is not None:
             replayed = replayed.to(own_ids.device)
             ordered = replayed.sort(dim=1).values  # a repeated expert: a position the sampler never routed
             unrouted = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1, keepdim=True)
             ids = torch.where(unrouted, own_ids.long(), replayed).to(own_ids.dtype)
-            same = (ids == own_ids).all(dim=1, keepdim=True)
-            formula = routing_weights(logits, ids, renormalize)
-            forward_weights = torch.where(same, own_weights, formula)
+        formula = routing_weights(logits, ids, renormalize)
+        forward_weights = torch.where((ids == own_ids).all(dim=1, keepdim=True), own_weights, formula)
         weights = formula + (forward_weights - formula).detach()  # vLLM's values, the formula's gradient
         experts = self.experts.local_experts
         w13 = torch.stack([e.linear_fc1.weight for e in experts])
