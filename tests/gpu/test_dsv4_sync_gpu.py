@@ -39,18 +39,9 @@ pytest.importorskip("tilelang", reason="vLLM's DeepSeek-V4 mHC kernels need tile
 # DeepGEMM FP8 block GEMM JIT-builds against the full CUDA toolkit; DeepGEMM itself runs the same kernels.
 os.environ.setdefault("VLLM_DISABLED_KERNELS", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
 
+from colocate_rl.models.deepseek_v4.synth import VLLM_SMALL as SHAPE  # noqa: E402 - released attention sizes
 from colocate_rl.types import Sample  # noqa: E402
 
-SHAPE = dict(  # benchmarks/dsv4_parity_gpu.py's model: released attention sizes, small elsewhere
-    vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
-    qk_rope_head_dim=64, q_lora_rank=512, o_lora_rank=512, o_groups=8, sliding_window=128,
-    compress_ratios=[0, 4, 128, 4], index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=16,
-    num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=512, num_hash_layers=2, swiglu_limit=10.0,
-    hc_mult=4, hc_sinkhorn_iters=20, routed_scaling_factor=1.5, max_position_embeddings=1048576,
-    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
-                  "beta_slow": 1},
-    eos_token_id=1, bos_token_id=0,
-)
 FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # routing state RL never changes (the actor sends it as it is)
 MAX_TOKENS, N = 24, 2
 

@@ -30,6 +30,20 @@ TINY = dict(
     attention_bias=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=1, initializer_range=0.02,
 )
 
+# Overrides of official_config for the GPU checks against vLLM (its parity run and sync test): the
+# released attention sizes its kernels require (64 heads of 512, indexer 64 x 128 with top-512,
+# 128-token windows), small elsewhere.
+VLLM_SMALL = dict(
+    vocab_size=4096, hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=512, o_lora_rank=512, o_groups=8, sliding_window=128,
+    compress_ratios=[0, 4, 128, 4], index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=16,
+    num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=512, num_hash_layers=2, swiglu_limit=10.0,
+    hc_mult=4, hc_sinkhorn_iters=20, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    eos_token_id=1, bos_token_id=0,
+)
+
 # DeepSeek-V4-Flash's published config.json (284B): the memory plan of the full-size presets.
 FLASH = {'architectures': ['DeepseekV4ForCausalLM'],
          'attention_bias': False,
