@@ -104,3 +104,23 @@ def test_host_memory_names_what_it_holds_and_stops_when_the_node_cannot():
     fits.host_capacity = 125 * GiB
     assert fits.host_error() is None and 77 < fits.host_per_node / GiB < 78
     assert "host memory per node: 77.3" in fits.table() and "of 125.0 GiB" in fits.table()
+
+
+def test_a_run_this_node_cannot_hold_stops_before_loading(monkeypatch):
+    """On a GPU machine the plan sets host memory against the node's own RAM: Qwen3-8B with host
+    Adam in fp32 on a node of 96 GiB stops in one line; with bf16 moments it plans."""
+    from colocate_rl import plan as P
+    from colocate_rl.config import ConfigError
+
+    monkeypatch.setattr(P.C, "machine_gpus", lambda: 1)
+    monkeypatch.setattr(P, "device_summary", lambda cfg, lay: ("1 node(s) x 1 GPUs, test", int(139.8 * GiB)))
+    page = 4096
+    monkeypatch.setattr(P.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 96 * GiB // page)
+    over = {"placement.gpus_per_node": 1, "actor.optimizer_cpu_offload": True, "rollout.gpu_memory_utilization": 0.35}
+    cfg = load(Config(model=ModelConfig(path="Qwen/Qwen3-8B")), overrides=[f"{k}={v}" for k, v in over.items()])
+    with pytest.raises(ConfigError, match=r"^host memory: the run keeps 91.5 GiB per node .* of the node's 96.0 GiB; "
+                                          r"actor.optimizer_state_dtype=bfloat16"):
+        P.resolve(cfg)
+    cfg.actor.optimizer_state_dtype = "bfloat16"
+    plan = P.resolve(cfg)
+    assert plan.memory.host_capacity == 96 * GiB and "of 96.0 GiB" in plan.memory.table()
