@@ -59,6 +59,6 @@ def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> LocalColocat
     actor = Actor(cfg)
     # What the plan keeps off the device while vLLM runs leaves before the engine starts and sizes
     # its KV cache; the rest stays (placement/base.py launch).
-    actor.offload(None if offload is None else list(offload))
+    actor.offload(offload)
     rollout = make_rollout(cfg)
     return LocalColocated(cfg, actor, rollout, engine_quantization(rollout))

@@ -127,7 +127,7 @@ class ActorRank(_Host):
         from colocate_rl.trainer import Actor
 
         self.obj = Actor(cfg)
-        self.obj.offload(None if offload is None else list(offload))  # before the engines start (launch)
+        self.obj.offload(offload)  # before the engines start (launch)
 
     def device_uuid(self) -> str:
         from colocate_rl.weight_sync.ipc import device_uuid
