@@ -14,6 +14,7 @@ import json
 import os
 import pstats
 import platform as pyplatform
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,33 @@ def dump(prof: cProfile.Profile, path: str, title: str) -> None:
         f.write(f"==== {title}\n{out.getvalue()}\n")
 
 
+class HostMemory:
+    """Samples the node's used memory (MemTotal - MemAvailable, every 0.5 s) in a thread: its value
+    at the start and its peak, in GiB. The engine runs in this process or in children of it, so
+    the node's figure is the run's plus whatever else runs there."""
+
+    def __init__(self):
+        self.start = self.peak = self._used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _used() -> float:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kib = lambda k: int(info[k].split()[0])  # noqa: E731
+        return (kib("MemTotal") - kib("MemAvailable")) / 2**20
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak = max(self.peak, self._used())
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {"used_at_start": self.start, "peak": self.peak, "peak_over_start": self.peak - self.start}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
@@ -93,6 +121,7 @@ def main() -> None:
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     if args.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1000)  # live blocks keep their stacks regardless
+    host = HostMemory()  # the node's used memory from here on, against the plan's host part
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)
     rows = []
@@ -190,6 +219,7 @@ def main() -> None:
         "memory_used_GiB_at_phase": {k: v / GiB for k, v in used.items()},
         "memory_unstaged_wake_GiB": (used.get("sync", 0) + kv) / GiB,
         "memory_staged_peak_GiB": max(used.values()) / GiB,
+        "host_memory_GiB": {"planned_per_node": s.plan.memory.host_per_node / GiB, **host.stop()},
     }
     print(json.dumps(result, indent=1))
     if args.out:
