@@ -11,7 +11,8 @@ came through the reload (rollout/reload.py).
 The state, not the logprobs, is the exact check: vLLM's DeepSeek-V4 forward is not deterministic run
 to run. On an H200 the same engine scoring the same sequences twice differed by up to 0.46 per token
 (mean ~0.04) on this random-weight model, with identical state (gpu_tests_h200_2026-12-02b.json).
-The logprobs are printed beside that noise and must sit nearer the target than the control does.
+The logprobs are printed beside that noise; where the control stands clear of it, each sync's must
+sit nearer its target than the control does.
 
 Needs what benchmarks/dsv4_parity_gpu.py needs: vLLM 0.26's GPU build and the packages
 scripts/dsv4_gpu_wheels.sh gathers (tilelang, the CuTe DSL, a CUDA compiler for the JITs). The
@@ -197,7 +198,12 @@ def test_three_syncs_leave_the_state_of_engines_started_from_the_same_weights(tm
         print(line, flush=True)
     assert not quantizer_differs, f"the GPU quantizer writes other bytes than the checkpoint in {quantizer_differs[:5]}"
     assert len(states["start"]) > 0 and len(scratch) < len(states["start"]) / 2
+    # The logprobs tell a sync that did not land only where the control stands clear of the engines'
+    # own noise (on an H200 one engine scoring twice differed by up to 0.46); the state is the exact check.
+    separates = control[0] > 2 * max(m for m, _ in noise.values())
+    print(f"logprobs {'do' if separates else 'do not'} separate the control from the noise", flush=True)
     for k, (name, _) in enumerate(targets, 1):
         assert not differ[k], f"after sync {k} the engine holds other values than the {name} engine in {differ[k][:5]}"
-        assert gaps[k][0] < control[0], (f"sync {k}: mean |logprob diff| {gaps[k][0]:.2e} against the {name} engine "
-                                         f"is not below the control's {control[0]:.2e}")
+        assert not separates or gaps[k][0] < control[0], (
+            f"sync {k}: mean |logprob diff| {gaps[k][0]:.2e} against the {name} engine is not below the control's "
+            f"{control[0]:.2e}")
