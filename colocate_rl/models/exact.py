@@ -16,7 +16,7 @@ vLLM 0.26 returns while generating still differ from its own prefill, docs/perfo
 | rotary | ``_C.rotary_embedding``, its cos/sin cache built on the GPU at load | the same kernel, the cache built by vLLM's class |
 | attention | FlashAttention 3 varlen, ``num_splits=1`` | the same, on unpaged K/V |
 | SiLU-and-mul | ``_C.silu_and_mul`` | the same |
-| MoE router top-k (Qwen3-MoE) | ``topk_softmax`` (fp32 softmax, renormalised in the kernel) | the same (``fused_topk``) |
+| MoE router top-k (Qwen3-MoE) | ``topk_softmax`` (fp32 softmax, renormalised in the kernel) | the same (``fused_topk``, models/exact_moe.py) |
 | MoE experts | Triton fused-MoE GEMMs at one fixed tile config, ``moe_sum`` | the same (``fused_experts``) |
 | logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
 
@@ -38,11 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from colocate_rl.models.norm import RMSNorm
-
-try:  # megatron-core is imported lazily elsewhere; this module is only used with it installed
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-except ImportError:  # pragma: no cover
-    MoELayer = torch.nn.Module
 
 ENV = "VLLM_BATCH_INVARIANT"
 
@@ -86,8 +81,11 @@ def layer_spec(config, rope_base: float, max_position: int, pp_rank: Optional[in
     model: local modules with every norm, the core attention (rotary included), the SwiGLU and each
     MoE block (router top-k and experts) replaced by vLLM's kernels."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from colocate_rl.models.exact_moe import ExactMoELayer
 
     spec = copy.copy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                                 pp_rank=pp_rank))
@@ -291,107 +289,6 @@ class ExactAttention(torch.nn.Module):
         q, k = _RopeFn.apply(q, k, positions, self._cache)
         out = _AttentionFn.apply(q, k, v.contiguous(), b, s, self.softmax_scale)  # [b*s, heads, hd]
         return out.view(b, s, heads * hd).transpose(0, 1).contiguous()
-
-
-# ---------------------------------------------------------------- MoE block (Qwen3-MoE)
-
-
-def experts_formula(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
-    """The MoE block's function in fp32, the backward's reference. x [N, H]; weights [N, k] routing
-    weights of experts ids [N, k]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] → [N, H] float32:
-    sum over j of weights[:, j] * w2[e] @ (silu(gate_e x) * up_e x), e = ids[:, j]."""
-    n, k = ids.shape
-    flat, token = ids.reshape(-1), torch.arange(n, device=x.device).repeat_interleave(k)
-    weight = weights.reshape(-1, 1).float()
-    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-    for e in flat.unique().tolist():
-        slot = (flat == e).nonzero(as_tuple=True)[0]
-        rows = token[slot]
-        gate, up = (x[rows].float() @ w13[e].float().t()).chunk(2, dim=-1)
-        out = out.index_add(0, rows, ((F.silu(gate) * up) @ w2[e].float().t()) * weight[slot])
-    return out
-
-
-def vllm_topk(x: torch.Tensor, logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's router top-k for a softmax MoE (its FusedTopKRouter: the topk_softmax CUDA kernel,
-    softmax in fp32, ties to the lower expert id, renormalised inside the kernel): x [N, H], bf16
-    logits [N, E] → (ids [N, k] int32, weights [N, k] float32)."""
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
-
-    weights, ids, _ = fused_topk(x, logits, k, renormalize, indices_type=None, scoring_func="softmax")
-    return ids, weights
-
-
-def vllm_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor) -> torch.Tensor:
-    """vLLM's unquantized fused experts as its batch-invariant mode runs them (TritonExperts: the
-    Triton fused-MoE GEMMs at one fixed tile config, silu_and_mul, the routing weight applied to the
-    second GEMM's fp32 accumulator, moe_sum over the k in slot order); fused_experts computes the
-    same bits without the engine's workspace. x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H]."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
-
-    return fused_experts(x.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids)
-
-
-class _ExpertsFn(torch.autograd.Function):
-    """vLLM's fused MoE forward (its batch-invariant Triton kernels); autograd of experts_formula
-    backward (recomputed, expert by expert)."""
-
-    @staticmethod
-    def forward(ctx, x, weights, ids, w13, w2):
-        ctx.save_for_backward(x, weights, ids, w13, w2)
-        return vllm_experts(x, weights, ids, w13, w2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weights, ids, w13, w2 = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (x, weights, w13, w2)]
-            out = experts_formula(leaves[0], leaves[1], ids, leaves[2], leaves[3])
-            gx, gw, g13, g2 = torch.autograd.grad(out, leaves, grad.float())
-        return gx.to(x.dtype), gw.to(weights.dtype), None, g13.to(w13.dtype), g2.to(w2.dtype)
-
-
-def routing_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """[N, E] router logits, [N, k] chosen experts → [N, k] float32: the softmax over all experts at
-    the chosen ones, divided by their sum when ``renormalize`` (Qwen3-MoE's norm_topk_prob)."""
-    w = logits.float().softmax(dim=-1).gather(1, ids.long())
-    return w / w.sum(dim=-1, keepdim=True) if renormalize else w
-
-
-class ExactMoELayer(MoELayer):
-    """Megatron's MoE layer (its router and experts' parameters, names and checkpoints unchanged)
-    whose forward is vLLM's: the router's logits by the batch-invariant matmul, vLLM's top-k and
-    routing weights, vLLM's fused experts. hidden [s, b, H] → ([s, b, H], None).
-
-    With routing replay (R3) the replayed experts are used; a token whose replayed experts are
-    vLLM's own top-k here keeps vLLM's routing weights, any other takes the fp32 formula's at the
-    replayed experts (the sampler chose them from logits its decoding computed differently)."""
-
-    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        s, b, h = hidden_states.shape
-        x = hidden_states.reshape(s * b, h)
-        cfg = self.config  # one rank holds the whole block (plan.resolve checks tp = ep = 1)
-        logits = F.linear(x, self.router.weight)  # aten::mm: vLLM's batch-invariant matmul (enable)
-        k, renormalize = cfg.moe_router_topk, not cfg.moe_router_pre_softmax
-        own_ids, own_weights = vllm_topk(x, logits, k, renormalize)
-        ids = own_ids
-        replay = getattr(self.router, "router_replay", None)
-        replayed = replay.replay.ids(replay.column, s * b, k) if replay is not None else None
-        if replayed is not None:
-            replayed = replayed.to(own_ids.device)
-            ordered = replayed.sort(dim=1).values  # a repeated expert: a position the sampler never routed
-            unrouted = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1, keepdim=True)
-            ids = torch.where(unrouted, own_ids.long(), replayed).to(own_ids.dtype)
-        formula = routing_weights(logits, ids, renormalize)
-        forward_weights = torch.where((ids == own_ids).all(dim=1, keepdim=True), own_weights, formula)
-        weights = formula + (forward_weights - formula).detach()  # vLLM's values, the formula's gradient
-        experts = self.experts.local_experts
-        w13 = torch.stack([e.linear_fc1.weight for e in experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in experts])
-        out = _ExpertsFn.apply(x, weights, ids, w13, w2)
-        return out.view(s, b, h), None
 
 
 # ---------------------------------------------------------------- logprobs

@@ -1,4 +1,4 @@
-"""rollout.exact's MoE block (models/exact.py ExactMoELayer) on the CPU: with vLLM's two kernels
+"""rollout.exact's MoE block (models/exact_moe.py ExactMoELayer) on the CPU: with vLLM's two kernels
 (its top-k, its fused experts) stood in for by their torch formulas, the block computes what
 megatron-core's MoE layer computes from the same parameters, with and without routing replay, and
 its backward gives megatron-core's gradients: so the exact forward's gradient is that of the function
@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from colocate_rl import platform  # noqa: E402
-from colocate_rl.models import exact  # noqa: E402
+from colocate_rl.models import exact, exact_moe  # noqa: E402
 from colocate_rl.models.registry import family_for, moe_routing  # noqa: E402
 from colocate_rl.models.tiny import SHAPES  # noqa: E402
 
@@ -38,7 +38,7 @@ def cpu_topk(x, logits, k, renormalize):
 
 
 def cpu_experts(x, weights, ids, w13, w2):
-    return exact.experts_formula(x, weights, ids, w13, w2).to(x.dtype)
+    return exact_moe.experts_formula(x, weights, ids, w13, w2).to(x.dtype)
 
 
 def blocks():
@@ -51,7 +51,7 @@ def blocks():
     plain = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
     ours = exact.layer_spec(exact_config, 1e6, 4096, pp_rank=0)
     mlp, exact_mlp = plain.layer_specs[0].submodules.mlp, ours.layer_specs[0].submodules.mlp
-    assert isinstance(exact_mlp, functools.partial) and exact_mlp.func is exact.ExactMoELayer
+    assert isinstance(exact_mlp, functools.partial) and exact_mlp.func is exact_moe.ExactMoELayer
     torch.manual_seed(0)
     ref, mine = mlp(config=config, layer_number=1), exact_mlp(config=exact_config, layer_number=1)
     with torch.no_grad():
@@ -78,8 +78,8 @@ def run(block, x, routing=None):
 
 @pytest.mark.parametrize("replayed", [False, True])
 def test_exact_moe_block_is_megatrons_function(world, monkeypatch, replayed):
-    monkeypatch.setattr(exact, "vllm_topk", cpu_topk)
-    monkeypatch.setattr(exact, "vllm_experts", cpu_experts)
+    monkeypatch.setattr(exact_moe, "vllm_topk", cpu_topk)
+    monkeypatch.setattr(exact_moe, "vllm_experts", cpu_experts)
     ref, mine = blocks()
     s, b, k, experts = 6, 3, HF["num_experts_per_tok"], HF["num_experts"]
     x = torch.randn(s, b, HF["hidden_size"], generator=torch.Generator().manual_seed(1))
