@@ -95,10 +95,12 @@ class MemoryPlan:
         processes themselves (each holds a few GiB of libraries and buffers)."""
         if not self.host_capacity or self.host_per_node <= 0.9 * self.host_capacity:
             return None
-        top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(self.host_parts.items(), key=lambda kv: -kv[1]) if v)
         fixes = "; " + ", ".join(self.host_fixes) if self.host_fixes else ""
-        return (f"host memory: the run keeps {self.host_per_node / GiB:.1f} GiB per node in host memory ({top} GiB) "
-                f"of the node's {self.host_capacity / GiB:.1f} GiB{fixes}")
+        return (f"host memory: the run keeps {self.host_per_node / GiB:.1f} GiB per node in host memory "
+                f"({self._host_parts_text()} GiB) of the node's {self.host_capacity / GiB:.1f} GiB{fixes}")
+
+    def _host_parts_text(self) -> str:
+        return ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.host_parts.items() if v)
 
     def kept(self) -> list[str]:
         """Plan parts of the actor that stay on the device while vLLM runs."""
@@ -171,8 +173,7 @@ class MemoryPlan:
             lines.append(f"  {p.value:<16}{need / GiB:8.2f} GiB{where}{got}{mark}")
         if self.host_per_node:
             of = f" of {self.host_capacity / GiB:.1f}" if self.host_capacity else ""
-            lines.append(f"  host memory per node: {self.host_per_node / GiB:.1f}{of} GiB ("
-                         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.host_parts.items() if v) + ")"
+            lines.append(f"  host memory per node: {self.host_per_node / GiB:.1f}{of} GiB ({self._host_parts_text()})"
                          + ("  OVER" if self.host_error() else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

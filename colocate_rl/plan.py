@@ -151,9 +151,10 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     hf = model_config(cfg)
     size, problems = None, []
     if hf:
+        family = family_for(hf)
         try:
-            family_for(hf).check_parallel(hf, lay.tp, lay.pp, lay.ep, sequence_parallel=cfg.actor.sequence_parallel)
-            family_for(hf).check_rollout(hf, cfg.rollout)
+            family.check_parallel(hf, lay.tp, lay.pp, lay.ep, sequence_parallel=cfg.actor.sequence_parallel)
+            family.check_rollout(hf, cfg.rollout)
         except ValueError as e:
             if strict:
                 raise ConfigError(str(e)) from None
@@ -162,7 +163,6 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         if cfg.rollout.routing_replay and moe_routing(hf) is None:
             raise ConfigError(f"rollout.routing_replay=true but the model ({hf.get('model_type')}) has no routed "
                               "experts to replay")
-        family = family_for(hf)
         if cfg.rollout.exact and family.exact_layer_spec is None:
             raise ConfigError(f"rollout.exact=true covers Qwen3 dense and MoE models; {family.name} has no exact "
                               "forward (models/exact.py)")
