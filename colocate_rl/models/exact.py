@@ -21,8 +21,8 @@ vLLM 0.26 returns while generating still differ from its own prefill, docs/perfo
 | logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
 
 Backward passes need not be batch-invariant: each op's backward is autograd's through a plain torch
-formula of the same function (recomputed in fp32 where it reduces), so gradients are those of the
-function, within the usual tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops
+formula of the same function (recomputed in fp32 where it reduces), and the backward's matmuls run
+cuBLAS (``forward_mm``), so gradients are those of the function, within the usual tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops
 at config time (colocate_rl.plan).
 """
 
@@ -60,10 +60,21 @@ def enable() -> None:
         # matmul in every linear layer (linear_batch_invariant): route this process's matmuls, which
         # Megatron's linears make through aten::mm, to the same kernel (on Ampere vLLM does it).
         _MM = torch.library.Library("aten", "IMPL")
-        _MM.impl("aten::mm", bi.mm_batch_invariant, "CUDA")
+        _MM.impl("aten::mm", functools.partial(forward_mm, bi.mm_batch_invariant), "CUDA")
 
 
 _MM = None  # the aten::mm override, once registered (a torch.library.Library must stay alive)
+
+
+def forward_mm(invariant_mm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[m, k] @ [k, n] → [m, n]: vLLM's batch-invariant matmul in forward passes, cuBLAS inside a
+    backward pass. Gradients need not be batch-invariant, and the backward holds two thirds of a
+    linear's FLOPs; ``aten::mm.out`` is a separate operator that the override leaves native. A
+    forward recomputed inside the backward (activation recompute) feeds only gradients, so it may
+    take cuBLAS too."""
+    if torch._C._current_graph_task_id() == -1:  # -1: not inside autograd's backward
+        return invariant_mm(a, b)
+    return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
 
 
 def config_fields() -> dict:

@@ -55,3 +55,39 @@ def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
     assert not attn.q_layernorm.params["after_add"] and not attn.k_layernorm.params["after_add"]
     assert spec.layer_specs[2].submodules.mlp.keywords["submodules"].activation_func is exact.ExactSwiGLU
     assert exact.model_kwargs({"position_embedding_type": "rope"})["position_embedding_type"] == "none"
+
+
+def test_backward_matmuls_leave_the_invariant_kernel():
+    """The forward's matmuls are vLLM's batch-invariant kernel; the backward's (two thirds of the
+    FLOPs) take torch's own, since gradients need not be batch-invariant."""
+    import torch
+
+    from colocate_rl.models.exact import forward_mm
+
+    calls = []
+
+    def invariant(a, b):  # stands in for vLLM's Triton kernel: records that it ran
+        calls.append(tuple(a.shape))
+        return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
+
+    class Linear(torch.autograd.Function):  # a linear whose backward calls the routed matmul, as aten::mm's would
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return forward_mm(invariant, x, w)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return forward_mm(invariant, g, w.t()), forward_mm(invariant, x.t(), g)
+
+    x, w = torch.randn(5, 3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    out = Linear.apply(x, w)
+    assert calls == [(5, 3)]  # the forward ran the invariant kernel
+    out.sum().backward()
+    assert calls == [(5, 3)]  # the backward did not
+    torch.testing.assert_close(x.grad, torch.ones(5, 4) @ w.detach().t())
+    torch.testing.assert_close(w.grad, x.detach().t() @ torch.ones(5, 4))
+    with torch.no_grad():  # a no-grad forward (the old logprobs) is still a forward
+        forward_mm(invariant, x, w)
+    assert calls == [(5, 3), (5, 3)]
