@@ -5,8 +5,9 @@ kernels (reduction orders of norms, rotary, attention and softmax; fused vs sepa
 docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1``: a row's result does not depend on the batch around it), the actor
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
-dtypes (measured on an H200: 2e-8 per token against vLLM's prefill of the same tokens; the logprobs
-vLLM 0.26 returns while generating still differ from its own prefill, docs/performance.md):
+dtypes. Measured on an H200: 2e-8 per token against vLLM's prefill of the same tokens, and 2.3e-8
+against the logprobs it samples with in the loop at T=1 (a few fp32 ulps on ~2% of tokens; more at
+T=0.9, docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|
@@ -22,8 +23,8 @@ vLLM 0.26 returns while generating still differ from its own prefill, docs/perfo
 
 Backward passes need not be batch-invariant: each op's backward is autograd's through a plain torch
 formula of the same function (recomputed in fp32 where it reduces), and the backward's matmuls run
-cuBLAS (``forward_mm``), so gradients are those of the function, within the usual tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops
-at config time (colocate_rl.plan).
+cuBLAS (``forward_mm``), so gradients are those of the function, within the usual tolerance. Needs
+CUDA and vLLM's GPU build; on anything else the run stops at config time (colocate_rl.plan).
 """
 
 from __future__ import annotations
