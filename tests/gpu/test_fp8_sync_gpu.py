@@ -64,7 +64,9 @@ def sample(eng):
     return b.tokens, b.rollout_logprobs
 
 
-def test_fp8_engine_after_sync_samples_as_the_checkpoint_of_the_same_weights(tmp_path, tiny_model):
+def test_fp8_engine_after_each_of_three_syncs_samples_as_the_checkpoint_of_the_same_weights(tmp_path, tiny_model):
+    """Syncs to the target weights, back to the start, and to the target again, each followed by a
+    check: a second sync breaks where the first left the engine's FP8 layers re-laid-out."""
     from safetensors.torch import load_file
 
     # qwen3-0.6b's projections are multiples of 128: vLLM's block-FP8 layers accept them.
@@ -73,23 +75,27 @@ def test_fp8_engine_after_sync_samples_as_the_checkpoint_of_the_same_weights(tmp
     g = torch.Generator(device="cuda").manual_seed(1)
     target = {n: (t.float() + 0.02 * torch.randn(t.shape, generator=g, device="cuda")).to(torch.bfloat16)
               for n, t in start.items()}
-    eng = engine(write_fp8(src, tmp_path / "start", start))
-    try:
-        targets = fp8_targets(eng.weight_shapes())
-        assert len(targets) == 7 * sum(1 for n in start if n.endswith("mlp.down_proj.weight")), "every linear is FP8"
-        before = sample(eng)
-        stats = eng.update_weights(quantize_named(iter(target.items()), targets), bucket_mb=64)
-        assert stats.bytes > 0
-        synced = sample(eng)
-    finally:
-        eng.shutdown()
     ref_eng = engine(write_fp8(src, tmp_path / "target", target))
     try:
         ref = sample(ref_eng)
     finally:
         ref_eng.shutdown()
-    mask = ref[1] != 0
-    control = not torch.equal(before[0], ref[0]) or float((before[1] - ref[1])[mask].abs().max()) > 0.05
-    assert control, "control: the engine's starting weights sample differently from the target"
-    assert torch.equal(synced[0], ref[0]), "after the sync the FP8 engine samples the target checkpoint's tokens"
-    assert float((synced[1] - ref[1])[mask].abs().max()) <= 1e-3
+    eng = engine(write_fp8(src, tmp_path / "start", start))
+    try:
+        targets = fp8_targets(eng.weight_shapes())
+        assert len(targets) == 7 * sum(1 for n in start if n.endswith("mlp.down_proj.weight")), "every linear is FP8"
+        before = sample(eng)
+        mask = ref[1] != 0
+        control = not torch.equal(before[0], ref[0]) or float((before[1] - ref[1])[mask].abs().max()) > 0.05
+        assert control, "control: the engine's starting weights sample differently from the target"
+        for i, (weights, want, name) in enumerate([(target, ref, "target"), (start, before, "start"),
+                                                   (target, ref, "target")], 1):
+            stats = eng.update_weights(quantize_named(iter(weights.items()), targets), bucket_mb=64)
+            assert stats.bytes > 0
+            got = sample(eng)
+            diff = float((got[1] - want[1])[want[1] != 0].abs().max())
+            print(f"sync {i} (to {name}): same tokens {torch.equal(got[0], want[0])}, max |logprob diff| {diff:.2e}")
+            assert torch.equal(got[0], want[0]), f"after sync {i} the FP8 engine samples the {name} checkpoint's tokens"
+            assert diff <= 1e-3, (i, diff)
+    finally:
+        eng.shutdown()
