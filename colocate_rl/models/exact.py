@@ -5,9 +5,9 @@ kernels (reduction orders of norms, rotary, attention and softmax; fused vs sepa
 docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1``: a row's result does not depend on the batch around it), the actor
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
-dtypes. Measured on an H200: 2e-8 per token against vLLM's prefill of the same tokens, and 2.3e-8
-against the logprobs it samples with in the loop at T=1 (a few fp32 ulps on ~2% of tokens; more at
-T=0.9, docs/performance.md):
+dtypes. Measured on an H200 under vLLM's V2 model runner: 2e-8 per token against its prefill of the
+same tokens, and 2.3e-8 against the logprobs it samples with in the loop at T=1 (a few fp32 ulps on
+~2% of tokens, from V2's own logprob kernel; exact mode now runs V1, docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|

@@ -5,8 +5,9 @@
   vLLM's top-k and fused experts;
 - the exact forward's gradients are autograd's (the default model's, within bf16 rounding);
 - the goal, not yet met (xfail, strict): the actor's logprobs equal the sampler's on every token of
-  every step, so every IS weight is exactly 1. In the loop at T=1 they differ by a few fp32 ulps on
-  ~2% of tokens; at this test's T=0.9, by more (docs/performance.md, "Exact on-policy mode").
+  every step, so every IS weight is exactly 1. Under vLLM's V2 model runner they differed by a few
+  fp32 ulps on ~2% of tokens at T=1 and by 0.0048 at this test's T=0.9; exact mode now runs V1
+  (rollout/engine.py; docs/performance.md, "Exact on-policy mode").
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def test_actor_forward_is_vllms_forward(tmp_path, tiny_model, shape):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.26's sampled logprobs differ from the actor's: a few fp32 ulps on ~2% "
-                                       "of tokens at T=1 (2.3e-8 mean, handoff_exact_true_h200.json); 0.0048 at T=0.9 "
-                                       "(exact_gap_h200.json)")
+@pytest.mark.xfail(strict=True, reason="under vLLM 0.26's V2 model runner the sampled logprobs differed from the "
+                                       "actor's (0.0048 per token at T=0.9, a few fp32 ulps at T=1); exact mode now "
+                                       "runs V1, whose sampler computes what the actor does, not yet run on a GPU")
 def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model):
     s = start_session(session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16")))
     try:
