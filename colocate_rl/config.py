@@ -597,6 +597,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.exact and cfg.actor.fp32_residual:
         raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
                           "unset actor.fp32_residual")
+    if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
+                          "both sides run FlashAttention 3, which has no float32 kernels")
 
     pl = cfg.placement
     if pl.gpus_per_node < -1:

@@ -33,6 +33,8 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     # Sums split over another number of ranks round differently; an fp32 residual stream is not vLLM's.
     one_line(lambda: cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2}), r"tensor_parallel_size \(1\) == actor.tp \(2\)")
     one_line(lambda: cfg(**{"actor.fp32_residual": "true"}), "unset actor.fp32_residual")
+    # FlashAttention 3 has no float32 kernels (the tiny CPU recipe's dtype).
+    one_line(lambda: cfg(**{"model.dtype": "float32"}), "needs model.dtype=bfloat16 or float16, not float32")
 
 
 def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
