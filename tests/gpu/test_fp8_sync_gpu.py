@@ -94,7 +94,8 @@ def test_fp8_engine_after_each_of_three_syncs_samples_as_the_checkpoint_of_the_s
             assert stats.bytes > 0
             got = sample(eng)
             diff = float((got[1] - want[1])[want[1] != 0].abs().max())
-            print(f"sync {i} (to {name}): same tokens {torch.equal(got[0], want[0])}, max |logprob diff| {diff:.2e}")
+            print(f"sync {i} (to {name}): {stats.bytes / 1e9:.3f} GB in {stats.seconds:.3f} s (quantized on the sender), "
+                  f"same tokens {torch.equal(got[0], want[0])}, max |logprob diff| {diff:.2e}")
             assert torch.equal(got[0], want[0]), f"after sync {i} the FP8 engine samples the {name} checkpoint's tokens"
             assert diff <= 1e-3, (i, diff)
     finally:
