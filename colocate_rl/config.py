@@ -76,9 +76,10 @@ class RolloutConfig:
     # batch, so trainer and sampler run the same experts. Needs vLLM on GPUs (its CPU build cannot
     # return routed experts). Costs B x T x MoE layers x top_k bytes of host memory a step (types.py).
     routing_replay: bool = False
-    # Exact on-policy (Qwen3 dense, CUDA): vLLM runs its batch-invariant kernels, eager, and the
-    # actor's forward calls the same kernels op for op (models/exact.py): the actor computes what
-    # vLLM's forward computes. Needs rollout.tensor_parallel_size == actor.tp.
+    # Exact on-policy (Qwen3 dense and MoE, CUDA): vLLM runs its batch-invariant kernels, eager, on
+    # its V1 model runner, and the actor's forward calls the same kernels op for op
+    # (models/exact.py): the actor computes what vLLM's forward computes. Needs
+    # rollout.tensor_parallel_size == actor.tp and a bf16/fp16 model.
     exact: bool = False
     # Where vLLM's kernel JITs keep what they compiled (torch.compile, DeepGEMM, tilelang, Triton,
     # the CuTe DSL, FlashInfer): "" = COLOCATE_RL_CACHE/compile (the project's .cache, shared by
