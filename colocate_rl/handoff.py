@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from colocate_rl import faults
 from colocate_rl.config import Config
-from colocate_rl.memory import ACTOR_PARTS, MemoryPlan, Phase, PhaseMachine
+from colocate_rl.memory import MemoryPlan, Phase, PhaseMachine
 from colocate_rl.metrics import PhaseTimer
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -133,13 +133,8 @@ class Handoff:
 
 
 class ColocatedHandoff(Handoff):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # The placement started the engine with the plan's parts offloaded (placement/base.py launch);
-        # a placement started with every part offloaded gets back what the plan keeps, to stay.
-        kept = [p for p in ACTOR_PARTS if p not in self.plan.offload]
-        if kept:
-            self.workers.actor.onload(kept)
+    # The placement started the engines with exactly the plan's parts offloaded (placement/base.py
+    # launch): what the plan keeps is already on the device, and stays.
 
     def _actor_move(self, t: Optional[PhaseTimer], way: str, parts: list[str]) -> None:
         """actor.onload / actor.offload of ``parts``; an offload of nothing still returns the
