@@ -76,8 +76,9 @@ class RolloutConfig:
     # batch, so trainer and sampler run the same experts. Needs vLLM on GPUs (its CPU build cannot
     # return routed experts). Costs B x T x MoE layers x top_k bytes of host memory a step (types.py).
     routing_replay: bool = False
-    # Exact on-policy (Qwen3 dense and MoE, CUDA): vLLM runs its batch-invariant kernels, eager, on
-    # its V1 model runner, and the actor's forward calls the same kernels op for op
+    # Exact on-policy (Qwen3 dense and MoE, CUDA): vLLM runs its batch-invariant kernels on its V1
+    # model runner (no torch.compile; CUDA graphs for decode unless enforce_eager), and the actor's
+    # forward calls the same kernels op for op
     # (models/exact.py): the actor computes what vLLM's forward computes. Needs
     # rollout.tensor_parallel_size == actor.tp and a bf16/fp16 model.
     exact: bool = False

@@ -5,9 +5,9 @@ kernels (reduction orders of norms, rotary, attention and softmax; fused vs sepa
 docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1``: a row's result does not depend on the batch around it), the actor
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
-dtypes. Measured on an H200 under vLLM's V2 model runner: 2e-8 per token against its prefill of the
-same tokens, and 2.3e-8 against the logprobs it samples with in the loop at T=1 (a few fp32 ulps on
-~2% of tokens, from V2's own logprob kernel; exact mode now runs V1, docs/performance.md):
+dtypes. Measured on an H200 with vLLM's V1 model runner (which exact mode starts): the actor's
+logprobs equal those vLLM samples with on every token at T=1; at T=0.9 0.0040 per token is left,
+cause not yet found (docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|
@@ -21,9 +21,10 @@ same tokens, and 2.3e-8 against the logprobs it samples with in the loop at T=1 
 | MoE experts | Triton fused-MoE GEMMs at one fixed tile config, ``moe_sum`` | the same (``fused_experts``) |
 | logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
 
-Backward passes need not be batch-invariant: each op's backward is autograd's through a plain torch
-formula of the same function (recomputed in fp32 where it reduces), and the backward's matmuls run
-cuBLAS (``forward_mm``), so gradients are those of the function, within the usual tolerance. Needs
+Backward passes need not be batch-invariant, so they take the cheapest correct route: the closed
+form in fp32 for the norms and SwiGLU (no nested autograd graph: host time is what exact mode's
+train step is short of), vLLM's rotary kernel run by minus the angle, SDPA's autograd for attention,
+and cuBLAS for the matmuls (``forward_mm``). Gradients are the function's, within the usual tolerance. Needs
 CUDA and vLLM's GPU build; on anything else the run stops at config time (colocate_rl.plan).
 """
 
@@ -152,11 +153,24 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xf, wf = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps) * wf
-            gx, gw = torch.autograd.grad(y, (xf, wf), grad.float())
-        return gx.to(x.dtype), gw.to(weight.dtype), None, None
+        return (*rms_norm_backward(grad, x, weight, ctx.eps), None, None)
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """grad, x [..., h], weight [h] → (dx, dweight) of ``weight * x * rsqrt(mean(x²) + eps)``, in the
+    inputs' dtypes: the closed form in fp32, with no autograd graph of its own (a nested
+    ``autograd.grad`` per norm is host time, and exact mode's train step is host-bound: 1.17 s of wall
+    time for 0.56 s of kernels, docs/performance.md). Means are sums / h: in batch-invariant mode
+    ``mean`` is vLLM's Triton kernel, launched from Python."""
+    h = x.shape[-1]
+    xf, gf = x.float(), grad.float()  # x or grad themselves when fp32: nothing below writes into them
+    rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
+    xhat = xf * rstd
+    dw = (gf * xhat).reshape(-1, h).sum(0)
+    gxhat = gf * weight.float()
+    dot = (gxhat * xhat).sum(-1, keepdim=True).div_(h)
+    dx = gxhat.addcmul_(xhat, dot, value=-1).mul_(rstd)
+    return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 class ExactRMSNorm(RMSNorm):
@@ -185,11 +199,14 @@ class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            xf = x.detach().float().requires_grad_()
-            gate, up = xf.chunk(2, dim=-1)
-            (gx,) = torch.autograd.grad(F.silu(gate) * up, xf, grad.float())
-        return gx.to(x.dtype)
+        return swiglu_backward(grad, x)
+
+
+def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad [..., ffn], x [..., 2 * ffn] (gate | up) → d/dx of silu(gate) * up, in x's dtype: the
+    closed form through torch's fused SiLU backward (no autograd graph of its own)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), dim=-1)
 
 
 class ExactSwiGLU(torch.nn.Module):
@@ -217,27 +234,34 @@ def rope_cache(head_dim: int, base: float, max_position: int, dtype: torch.dtype
 
 class _RopeFn(torch.autograd.Function):
     """(q [N, heads, hd], k [N, groups, hd]) rotated (NeoX halves) by vLLM's kernel, on copies (it
-    works in place); backward rotates the gradients back in fp32."""
+    works in place). The backward is the same kernel rotating the gradients back: ``inverse`` is
+    ``cache`` with sin negated (a rotation's transpose is the rotation by minus the angle)."""
 
     @staticmethod
-    def forward(ctx, q, k, positions, cache):
-        from vllm import _custom_ops as ops
-
-        q, k = q.contiguous().clone(), k.contiguous().clone()
-        ops.rotary_embedding(positions, q, k, q.shape[-1], cache, True)
-        ctx.save_for_backward(positions, cache)
+    def forward(ctx, q, k, positions, cache, inverse):
+        q, k = _rotate(q, k, positions, cache)
+        ctx.save_for_backward(positions, inverse)
         return q, k
 
     @staticmethod
     def backward(ctx, gq, gk):
-        positions, cache = ctx.saved_tensors
-        cos, sin = cache[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [N, 1, hd/2] each
+        positions, inverse = ctx.saved_tensors
+        return (*_rotate(gq, gk, positions, inverse), None, None, None)
 
-        def unrotate(g):  # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, transposed
-            g1, g2 = g.float().chunk(2, dim=-1)
-            return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1).to(g.dtype)
 
-        return unrotate(gq), unrotate(gk), None, None
+def _rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor):
+    from vllm import _custom_ops as ops
+
+    # As vLLM's Qwen3 calls it: [tokens, heads * hd] (its CPU build reads heads from the last dim).
+    q2, k2 = q.reshape(q.shape[0], -1).clone(), k.reshape(k.shape[0], -1).clone()
+    ops.rotary_embedding(positions, q2, k2, q.shape[-1], cache, True)
+    return q2.view(q.shape), k2.view(k.shape)
+
+
+def inverse_rope_cache(cache: torch.Tensor) -> torch.Tensor:
+    """cos | sin → cos | -sin: the cache that rotates by minus each position's angle."""
+    cos, sin = cache.chunk(2, dim=-1)
+    return torch.cat((cos, -sin), dim=-1)
 
 
 class _AttentionFn(torch.autograd.Function):
@@ -287,7 +311,8 @@ class ExactAttention(torch.nn.Module):
         self.config = config
         self.softmax_scale = softmax_scale or config.kv_channels ** -0.5  # as vLLM's Qwen3 writes it
         self.base, self.max_position = base, max_position
-        self._cache: Optional[torch.Tensor] = None
+        self._cache: Optional[torch.Tensor] = None  # vLLM's cos | sin, and its inverse
+        self._inverse: Optional[torch.Tensor] = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -296,9 +321,10 @@ class ExactAttention(torch.nn.Module):
         s, b, heads, hd = query.shape
         if self._cache is None or self._cache.dtype != query.dtype:
             self._cache = rope_cache(hd, self.base, self.max_position, query.dtype)
+            self._inverse = inverse_rope_cache(self._cache)
         q, k, v = (x.transpose(0, 1).reshape(b * s, x.shape[2], hd) for x in (query, key, value))
         positions = torch.arange(s, device=q.device).repeat(b)
-        q, k = _RopeFn.apply(q, k, positions, self._cache)
+        q, k = _RopeFn.apply(q, k, positions, self._cache, self._inverse)
         out = _AttentionFn.apply(q, k, v.contiguous(), b, s, self.softmax_scale)  # [b*s, heads, hd]
         return out.view(b, s, heads * hd).transpose(0, 1).contiguous()
 

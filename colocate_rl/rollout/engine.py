@@ -227,17 +227,13 @@ class RolloutEngine:
         # aot_compile; eager is the only mode that runs then.
         eager = r.enforce_eager or os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
         if r.exact:
-            # Batch-invariant kernels (the engine's workers read the variable at start). Eager: under
-            # torch.compile vLLM's norms and activations become Inductor code, not the kernels the
-            # actor calls (models/exact.py).
+            # Batch-invariant kernels (the engine's workers read the variable at start).
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             # vLLM's V1 model runner, whose sampler turns the logits to fp32, divides them by the
             # temperature tensor and takes log_softmax, as exact.token_logprobs does. The V2 runner
-            # (vLLM 0.26's default for dense models) writes logits / T back into the bf16 logits and
-            # takes logprobs with a Triton kernel of its own: measured 0.0048 per token at T=0.9 and
-            # a few fp32 ulps on ~2% of tokens at T=1 (docs/performance.md).
+            # (vLLM 0.26's default for dense models) takes logprobs with a Triton kernel of its own:
+            # a few fp32 ulps on ~2% of tokens at T=1, where V1 gives 0.0 (docs/performance.md).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            eager = True
 
         use_compile_cache(r.compile_cache)
         quantized_checkpoint = _checkpoint_quantized(self.model_path)
@@ -247,6 +243,12 @@ class RolloutEngine:
             tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
         )
+        if r.exact and not eager:
+            # No torch.compile (under it vLLM's norms and activations become Inductor code, not the
+            # kernels the actor calls: models/exact.py), but CUDA graphs of the decode steps, which
+            # replay those same kernels: the loop's gap stays 0.0 and generation takes 2.0x less
+            # time than eager (handoff_exact_v1_graphs_h200.json vs ..._eager_h200.json).
+            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         if r.tensor_parallel_size > 1:
             # vLLM picks its Ray executor whenever it starts inside a Ray placement group (our Ray
             # launchers' engine hosts), and its Ray workers would wait forever for GPUs that the

@@ -93,3 +93,68 @@ def test_backward_matmuls_leave_the_invariant_kernel():
     with torch.no_grad():  # a no-grad forward (the old logprobs) is still a forward
         forward_mm(invariant, x, w)
     assert calls == [(5, 3), (5, 3)]
+
+
+def test_closed_form_backwards_are_autograds():
+    """The norms' and SwiGLU's backward (closed forms, no autograd graph of their own) give autograd's
+    gradients of the same functions, in fp32 and within bf16 rounding in bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from colocate_rl.models.exact import rms_norm_backward, swiglu_backward
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(3, 5, 64, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+        grad = torch.randn(3, 5, 64, generator=g).to(dtype)
+        xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * wf
+        want = torch.autograd.grad(y, (xf, wf), grad.float())
+        got = rms_norm_backward(grad, x, w, 1e-6)
+        for a, b in zip(got, want):
+            assert a.dtype == dtype
+            assert ((a.float() - b).norm() / b.norm()).item() < tol
+
+        h = torch.randn(4, 7, 2 * 48, generator=g).to(dtype)
+        gout = torch.randn(4, 7, 48, generator=g).to(dtype)
+        hf = h.float().requires_grad_()
+        gate, up = hf.chunk(2, dim=-1)
+        (want,) = torch.autograd.grad(F.silu(gate) * up, hf, gout.float())
+        got = swiglu_backward(gout, h)
+        assert got.dtype == dtype and got.shape == h.shape
+        assert ((got.float() - want).norm() / want.norm()).item() < tol
+
+
+def test_rotary_backward_is_the_kernel_by_minus_the_angle():
+    """Rotary: vLLM's kernel (its CPU build here) forward, the same kernel with sin negated backward,
+    against autograd of the NeoX rotation written out in torch."""
+    import torch
+
+    pytest.importorskip("vllm._custom_ops")
+    from colocate_rl.models.exact import _RopeFn, inverse_rope_cache
+
+    hd, n = 16, 6
+    g = torch.Generator().manual_seed(1)
+    angles = torch.arange(32)[:, None] * (10000.0 ** (-torch.arange(0, hd, 2) / hd))[None]
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [max_position, hd]: cos | sin
+    positions = torch.tensor([0, 1, 2, 7, 8, 31])
+    q = torch.randn(n, 4, hd, generator=g, requires_grad=True)
+    k = torch.randn(n, 2, hd, generator=g, requires_grad=True)
+
+    def neox(x):
+        cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    try:
+        rq, rk = _RopeFn.apply(q, k, positions, cache, inverse_rope_cache(cache))
+    except (RuntimeError, NotImplementedError) as e:  # a vLLM build without the CPU kernel
+        pytest.skip(f"vLLM's rotary kernel does not run here: {e}")
+    torch.testing.assert_close(rq, neox(q))
+    torch.testing.assert_close(rk, neox(k))
+    gq, gk = torch.randn(rq.shape, generator=g), torch.randn(rk.shape, generator=g)
+    got = torch.autograd.grad((rq, rk), (q, k), (gq, gk))
+    want = torch.autograd.grad((neox(q), neox(k)), (q, k), (gq, gk))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
