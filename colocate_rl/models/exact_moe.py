@@ -11,7 +11,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 def experts_formula(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor) -> torch.Tensor:
     """The MoE block's function in fp32, the backward's reference. x [N, H]; weights [N, k] routing
-    weights of experts ids [N, k]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] → [N, H] float32:
+    weights of experts ids [N, k]; w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] (or sequences of
+    E such matrices) → [N, H] float32:
     sum over j of weights[:, j] * w2[e] @ (silu(gate_e x) * up_e x), e = ids[:, j]."""
     n, k = ids.shape
     flat, token = ids.reshape(-1), torch.arange(n, device=x.device).repeat_interleave(k)
@@ -47,22 +48,29 @@ def vllm_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13:
 
 
 class _ExpertsFn(torch.autograd.Function):
-    """vLLM's fused MoE forward (its batch-invariant Triton kernels); autograd of experts_formula
-    backward (recomputed, expert by expert)."""
+    """vLLM's fused MoE forward (its batch-invariant Triton kernels) on the experts' weights stacked
+    for the call; autograd of experts_formula backward, recomputed expert by expert on each expert's
+    own weights. Only those are saved for the backward: the stacked copies (1.2 GB a layer at
+    Qwen3-30B-A3B's width, 58 GB over its 48 layers) live only while the kernel runs."""
 
     @staticmethod
-    def forward(ctx, x, weights, ids, w13, w2):
-        ctx.save_for_backward(x, weights, ids, w13, w2)
-        return vllm_experts(x, weights, ids, w13, w2)
+    def forward(ctx, x, weights, ids, *expert_weights):  # every expert's fc1, then every expert's fc2
+        n = len(expert_weights) // 2
+        ctx.save_for_backward(x, weights, ids, *expert_weights)
+        return vllm_experts(x, weights, ids, torch.stack(expert_weights[:n]), torch.stack(expert_weights[n:]))
 
     @staticmethod
     def backward(ctx, grad):
-        x, weights, ids, w13, w2 = ctx.saved_tensors
+        x, weights, ids, *expert_weights = ctx.saved_tensors
+        n = len(expert_weights) // 2
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (x, weights, w13, w2)]
-            out = experts_formula(leaves[0], leaves[1], ids, leaves[2], leaves[3])
-            gx, gw, g13, g2 = torch.autograd.grad(out, leaves, grad.float())
-        return gx.to(x.dtype), gw.to(weights.dtype), None, g13.to(w13.dtype), g2.to(w2.dtype)
+            leaves = [t.detach().requires_grad_() for t in (x, weights, *expert_weights)]
+            out = experts_formula(leaves[0], leaves[1], ids, leaves[2:2 + n], leaves[2 + n:])
+            gx, gw, *gexp = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
+        # An expert no token chose gets zeros, as it did through torch.stack's backward (Megatron's
+        # gradient buffers expect every parameter's gradient).
+        gexp = [torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(gexp, expert_weights)]
+        return gx.to(x.dtype), gw.to(weights.dtype), None, *gexp
 
 
 def routing_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
@@ -100,7 +108,6 @@ class ExactMoELayer(MoELayer):
         forward_weights = torch.where((ids == own_ids).all(dim=1, keepdim=True), own_weights, formula)
         weights = formula + (forward_weights - formula).detach()  # vLLM's values, the formula's gradient
         experts = self.experts.local_experts
-        w13 = torch.stack([e.linear_fc1.weight for e in experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in experts])
-        out = _ExpertsFn.apply(x, weights, ids, w13, w2)
+        out = _ExpertsFn.apply(x, weights, ids, *[e.linear_fc1.weight for e in experts],
+                               *[e.linear_fc2.weight for e in experts])
         return out.view(s, b, h), None
