@@ -106,12 +106,16 @@ def moe(tiny_model):
 
 
 def sync_and_check(eng, path, tmp_path, seed, bucket_mb):
-    hf, tensors = perturbed(path, tmp_path, seed)
-    assert max_diff(hf, eng.generate(samples(eng), seed=2)) > GAP, "control: without the sync the gap is large"
-    stats = eng.update_weights(tensors.items(), bucket_mb=bucket_mb)
-    assert stats.buckets >= 3 and stats.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert max_diff(hf, eng.generate(samples(eng), seed=2)) <= TOL
-    return hf, tensors
+    """Three syncs in a row, of weights A, B and A again, each followed by generation checked against
+    the HF model that was sent: a second sync breaks where the first left the engine's weights
+    re-laid-out (MoE expert packing, fused projections). Returns A (HF model, tensors)."""
+    a, b = perturbed(path, tmp_path / "a", seed), perturbed(path, tmp_path / "b", seed + 1000)
+    assert max_diff(a[0], eng.generate(samples(eng), seed=2)) > GAP, "control: without the sync the gap is large"
+    for i, (hf, tensors) in enumerate((a, b, a), 1):
+        stats = eng.update_weights(tensors.items(), bucket_mb=bucket_mb)
+        assert stats.buckets >= 3 and stats.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert max_diff(hf, eng.generate(samples(eng), seed=2)) <= TOL, f"after sync {i}"
+    return a
 
 
 # ---------------------------------------------------------------- IPC (torch only)
