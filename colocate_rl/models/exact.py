@@ -22,10 +22,11 @@ cause not yet found (docs/performance.md):
 | logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
 
 Backward passes need not be batch-invariant, so they take the cheapest correct route: the closed
-form in fp32 for the norms and SwiGLU (no nested autograd graph: host time is what exact mode's
-train step is short of), vLLM's rotary kernel run by minus the angle, SDPA's autograd for attention,
-and cuBLAS for the matmuls (``forward_mm``). Gradients are the function's, within the usual tolerance. Needs
-CUDA and vLLM's GPU build; on anything else the run stops at config time (colocate_rl.plan).
+form in fp32 for the norms and SwiGLU (no nested autograd graph: exact mode's train step is bound by
+the host, not the GPU), vLLM's rotary kernel run by minus the angle, SDPA's autograd for attention,
+and cuBLAS for the matmuls (``forward_mm``). Gradients are the function's, within the usual
+tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops at config time
+(colocate_rl.plan).
 """
 
 from __future__ import annotations
