@@ -4,9 +4,10 @@
 
 One Actor.train_step of the Qwen3-0.6B shape (random weights, bf16) on the same batch, with
 rollout.exact off and on: an untimed warm-up call, then one call timed and one under
-torch.profiler. Prints and writes, per mode, the wall seconds, the seconds the GPU spent in kernels
-and the kernels that took most of it. Wall time well above kernel time means the step is bound by
-the host (kernel launches, autograd), not by the GPU. Writes benchmarks/results/exact_train_step_<gpu>.json.
+torch.profiler. Prints and writes, per mode, the wall seconds, the seconds the GPU spent in
+kernels, the kernels that took most of it and the host-side ops that took most of the host's time.
+Wall time well above kernel time means the step is bound by the host (kernel launches, autograd),
+not by the GPU. Writes benchmarks/results/exact_train_step_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -58,16 +59,21 @@ def main() -> None:
         actor.train_step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
             actor.train_step(batch)
             torch.cuda.synchronize()
-        kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        events = prof.key_averages()
+        kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+        host = sorted(events, key=lambda e: -e.self_cpu_time_total)  # where the host's time goes
         busy = sum(e.self_device_time_total for e in kernels) / 1e6
         name = "exact" if exact else "default"
         result["modes"][name] = {
             "wall_s": round(wall, 4), "kernel_s": round(busy, 4), "kernel_launches": sum(e.count for e in kernels),
             "top_kernels": [{"name": e.key[:100], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count}
                             for e in kernels[:12]],
+            "top_host_ops": [{"name": e.key[:100], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count}
+                             for e in host[:20]],
         }
         print(f"{name}: train_step {wall:.3f} s wall, {busy:.3f} s in kernels ({busy / wall:.0%} busy), "
               f"{result['modes'][name]['kernel_launches']} kernels", flush=True)
