@@ -193,6 +193,48 @@ def _guard_client(client: Any) -> None:
     threading.Thread(target=answer_waiters, daemon=True, name="crl-engine-waiters").start()
 
 
+def llm_kwargs(cfg: Config, model_path: str, max_model_len: int, *, eager: bool, on_cpu: bool,
+               quantized_checkpoint: bool) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` for the run's rollout settings (cfg.rollout.engine_kwargs last,
+    so a user's own win)."""
+    r = cfg.rollout
+    kwargs: dict[str, Any] = dict(
+        model=model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=max_model_len,
+        tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
+        worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
+    )
+    if r.exact and not eager:
+        # No torch.compile (under it vLLM's norms and activations become Inductor code, not the
+        # kernels the actor calls: models/exact.py), but CUDA graphs of the decode steps, which
+        # replay those same kernels: the loop's gap stays 0.0 and generation takes 2.0x less
+        # time than eager (handoff_exact_v1_graphs_h200.json vs ..._eager_h200.json).
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    if r.tensor_parallel_size > 1:
+        # vLLM picks its Ray executor whenever it starts inside a Ray placement group (our Ray
+        # launchers' engine hosts), and its Ray workers would wait forever for GPUs that the
+        # group's bundles have already given out. One engine spans one node: its own processes.
+        kwargs["distributed_executor_backend"] = "mp"
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
+    else:
+        kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
+        if r.kv_cache_memory_mb:
+            kwargs["kv_cache_memory_bytes"] = r.kv_cache_memory_mb * 2**20
+    # Logprobs of the distribution actually sampled from (after temperature), which is what the
+    # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
+    # returns the raw model's logprobs.
+    kwargs["logprobs_mode"] = "processed_logprobs"
+    if r.routing_replay:
+        # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
+        # GPUs; it runs such an engine on its V1 model runner).
+        kwargs["enable_return_routed_experts"] = True
+    if r.weight_quantization == "fp8" and not quantized_checkpoint:
+        kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
+    kwargs.update(r.engine_kwargs)
+    return kwargs
+
+
 class RolloutEngine:
     """vLLM with the WeightReceiver extension.
 
@@ -238,40 +280,8 @@ class RolloutEngine:
         use_compile_cache(r.compile_cache)
         quantized_checkpoint = _checkpoint_quantized(self.model_path)
 
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=self.max_model_len,
-            tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
-            worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
-        )
-        if r.exact and not eager:
-            # No torch.compile (under it vLLM's norms and activations become Inductor code, not the
-            # kernels the actor calls: models/exact.py), but CUDA graphs of the decode steps, which
-            # replay those same kernels: the loop's gap stays 0.0 and generation takes 2.0x less
-            # time than eager (handoff_exact_v1_graphs_h200.json vs ..._eager_h200.json).
-            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
-        if r.tensor_parallel_size > 1:
-            # vLLM picks its Ray executor whenever it starts inside a Ray placement group (our Ray
-            # launchers' engine hosts), and its Ray workers would wait forever for GPUs that the
-            # group's bundles have already given out. One engine spans one node: its own processes.
-            kwargs["distributed_executor_backend"] = "mp"
-        if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
-        else:
-            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
-            if r.kv_cache_memory_mb:
-                kwargs["kv_cache_memory_bytes"] = r.kv_cache_memory_mb * 2**20
-        # Logprobs of the distribution actually sampled from (after temperature), which is what the
-        # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
-        # returns the raw model's logprobs.
-        kwargs["logprobs_mode"] = "processed_logprobs"
-        if r.routing_replay:
-            # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
-            # GPUs; it runs such an engine on its V1 model runner).
-            kwargs["enable_return_routed_experts"] = True
-        if r.weight_quantization == "fp8" and not quantized_checkpoint:
-            kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
-        kwargs.update(r.engine_kwargs)
+        kwargs = llm_kwargs(cfg, self.model_path, self.max_model_len, eager=eager, on_cpu=self.on_cpu,
+                            quantized_checkpoint=quantized_checkpoint)
         kwargs.update(engine_kwargs)
         self.supports_sleep = bool(kwargs.get("enable_sleep_mode", False)) and not self.on_cpu
 

@@ -1,0 +1,40 @@
+"""The vllm.LLM arguments each rollout setting turns into (rollout/engine.py llm_kwargs)."""
+
+from colocate_rl.config import Config, ModelConfig, load
+from colocate_rl.rollout.engine import llm_kwargs
+
+
+def kwargs(*overrides, eager=False, on_cpu=False, quantized=False):
+    gpus = [] if on_cpu else ["placement.gpus_per_node=2"]  # FP8 and R3 stop at config time on CPUs
+    cfg = load(Config(model=ModelConfig(path="m")), overrides=[*gpus, *overrides])
+    return llm_kwargs(cfg, "m", 512, eager=eager, on_cpu=on_cpu, quantized_checkpoint=quantized)
+
+
+def test_exact_mode_keeps_cuda_graphs_but_not_torch_compile():
+    """Exact mode: vLLM's own kernels (no Inductor), replayed by CUDA graphs for decode (measured
+    exact on an H200); an eager engine when asked for."""
+    k = kwargs("rollout.exact=true")
+    assert k["enforce_eager"] is False
+    assert k["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert "compilation_config" not in kwargs("rollout.exact=true", eager=True)
+    assert "compilation_config" not in kwargs()  # the default engine compiles as vLLM does
+
+
+def test_each_setting_reaches_the_engine():
+    base = kwargs()
+    assert base["logprobs_mode"] == "processed_logprobs" and base["enable_sleep_mode"] is True
+    assert "distributed_executor_backend" not in base and "quantization" not in base
+    assert "enable_return_routed_experts" not in base
+    assert kwargs("rollout.tensor_parallel_size=2")["distributed_executor_backend"] == "mp"
+    assert kwargs("rollout.routing_replay=true")["enable_return_routed_experts"] is True
+    assert kwargs("rollout.weight_quantization=fp8")["quantization"] == "fp8"
+    # A checkpoint already in FP8 carries its own quantization config.
+    assert "quantization" not in kwargs("rollout.weight_quantization=fp8", quantized=True)
+    cpu = kwargs("rollout.kv_cache_memory_mb=64", on_cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == 64 * 2**20 and "enable_sleep_mode" not in cpu
+    assert kwargs("rollout.kv_cache_memory_mb=64")["kv_cache_memory_bytes"] == 64 * 2**20
+
+
+def test_user_engine_kwargs_come_last():
+    k = kwargs("rollout.exact=true", "rollout.engine_kwargs={enforce_eager: true, max_num_seqs: 7}")
+    assert k["enforce_eager"] is True and k["max_num_seqs"] == 7
