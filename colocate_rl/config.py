@@ -78,9 +78,8 @@ class RolloutConfig:
     routing_replay: bool = False
     # Exact on-policy (Qwen3 dense and MoE, CUDA): vLLM runs its batch-invariant kernels on its V1
     # model runner (no torch.compile; CUDA graphs for decode unless enforce_eager), and the actor's
-    # forward calls the same kernels op for op
-    # (models/exact.py): the actor computes what vLLM's forward computes. Needs
-    # rollout.tensor_parallel_size == actor.tp and a bf16/fp16 model.
+    # forward calls the same kernels op for op (models/exact.py): the actor computes what vLLM's
+    # forward computes. Needs rollout.tensor_parallel_size == actor.tp and a bf16/fp16 model.
     exact: bool = False
     # Where vLLM's kernel JITs keep what they compiled (torch.compile, DeepGEMM, tilelang, Triton,
     # the CuTe DSL, FlashInfer): "" = COLOCATE_RL_CACHE/compile (the project's .cache, shared by

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -235,6 +236,15 @@ def llm_kwargs(cfg: Config, model_path: str, max_model_len: int, *, eager: bool,
     return kwargs
 
 
+def require_quantization_deps() -> None:
+    """A quantized (FP8) engine: vLLM's quantization configs import compressed-tensors, all of them
+    at once, FP8's included. Without the package the engine died deep inside its start with a
+    ModuleNotFoundError (measured on an H200 whose vLLM was installed without its dependencies)."""
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise RuntimeError("an FP8 rollout engine needs the compressed-tensors package (vLLM's quantization "
+                           "configs import it): pip install compressed-tensors")
+
+
 class RolloutEngine:
     """vLLM with the WeightReceiver extension.
 
@@ -299,6 +309,7 @@ class RolloutEngine:
         if hasattr(envs, "disable_envs_cache"):
             envs.disable_envs_cache()
         if not self.on_cpu and (r.weight_quantization == "fp8" or quantized_checkpoint):
+            require_quantization_deps()
             # Where vLLM points DeepGEMM's JIT (vllm/utils/deep_gemm.py), unless set already.
             deep_gemm = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path(envs.VLLM_CACHE_ROOT) / "deep_gemm")
             if "VLLM_DEEP_GEMM_WARMUP" not in os.environ and not any(deep_gemm.glob("*")):

@@ -1,4 +1,9 @@
-"""The vllm.LLM arguments each rollout setting turns into (rollout/engine.py llm_kwargs)."""
+"""The vllm.LLM arguments each rollout setting turns into (rollout/engine.py llm_kwargs), and the
+one-line stop of an FP8 engine whose vLLM lacks a package it imports."""
+
+import importlib.util
+
+import pytest
 
 from colocate_rl.config import Config, ModelConfig, load
 from colocate_rl.rollout.engine import llm_kwargs
@@ -38,3 +43,16 @@ def test_each_setting_reaches_the_engine():
 def test_user_engine_kwargs_come_last():
     k = kwargs("rollout.exact=true", "rollout.engine_kwargs={enforce_eager: true, max_num_seqs: 7}")
     assert k["enforce_eager"] is True and k["max_num_seqs"] == 7
+
+
+def test_fp8_engine_without_compressed_tensors_stops_in_one_line(monkeypatch):
+    from colocate_rl.rollout import engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "compressed_tensors"
+                        else real(name, *a))
+    with pytest.raises(RuntimeError, match="needs the compressed-tensors package") as e:
+        engine.require_quantization_deps()
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    engine.require_quantization_deps()  # installed here (vLLM's CPU build brings it)
