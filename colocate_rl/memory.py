@@ -185,6 +185,33 @@ class MemoryPlan:
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
+                     sequence_parallel: bool = False) -> tuple[int, int]:
+    """(one decoder layer, output head + loss): bytes the training forward of ``tokens`` tokens keeps
+    for its backward on one tensor-parallel rank, without recompute (``size``: the model's
+    models.registry.ModelSize; ``element_bytes``: the model dtype's).
+
+    A standard GPT layer (Qwen3) keeps, per token, in elements of the model dtype: 4·h (the two
+    norms' inputs and outputs), 4·q + 3·kv (q before its norm, q/k/v, rotated q and k, the attention
+    output), then 3·ffn for a dense SwiGLU MLP (fc1's output, fc2's input), or for a routed one
+    h + topk·(h + 4·moe_ffn) (router input, each token's copy per expert, the experts' fc1 output,
+    fc2 input and output). benchmarks/activation_census.py counts what autograd saves and matches
+    this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE layer (activation_census_cpu.json).
+    Tensor parallelism splits all but the 4·h (those too under sequence parallelism). Another
+    family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps
+    the fp32 logits' softmax and, in the backward, their gradient: 4 bytes per vocabulary entry each."""
+    h = size.hidden
+    if size.q_width:
+        split = 4 * size.q_width + 3 * size.kv_width + \
+            (h + size.topk * (h + 4 * size.moe_intermediate) if size.experts else 3 * size.ffn)
+        per_layer = tokens * element_bytes * (4 * h / (tp if sequence_parallel else 1) + split / tp)
+    else:
+        per_layer = 34 * tokens * h / tp
+        if size.experts and size.topk:  # routed MLP activations grow with top-k x expert width
+            per_layer += 4 * tokens * size.topk * size.moe_intermediate / tp
+    return int(per_layer), int(8 * tokens * size.vocab / tp)
+
+
 def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     """Predicted bytes per GPU. ``cfg`` the run's Config, ``layout`` its config.Layout, ``size``
     models.registry.ModelSize, ``capacity``
@@ -207,19 +234,17 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     parts["actor_optimizer"] = int(2 * a.optimizer_chunk_mb * 2**20 * (4 + 2 * moment) / 4) if on_host else opt_bytes
     if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: on the device for its forward pass
         parts["reference"] = parts["actor_params"]
-    # Activations of one micro-batch per pipeline stage in flight (Korthikanti et al.: ~34·s·b·h bytes
-    # per layer in 16-bit, split by TP; full recompute keeps ~2·s·b·h per layer plus one whole layer),
-    # plus the fp32 logits and their gradient (s·b·V/tp each).
-    s = cfg.data.max_prompt_tokens + r.max_response_tokens
-    b = a.micro_batch_size
+    # Activations of one micro-batch per pipeline stage in flight; full recompute keeps each layer's
+    # 16-bit input plus one whole layer's activations.
+    tokens = (cfg.data.max_prompt_tokens + r.max_response_tokens) * a.micro_batch_size
     layers = size.layers / pp
-    per_layer = 34 * s * b * size.hidden / tp
-    if size.experts and size.topk:  # routed MLP activations grow with top-k x expert width
-        per_layer += 4 * s * b * size.topk * size.moe_intermediate / tp
-    act = (layers * 2 * s * b * size.hidden + per_layer) if a.recompute else layers * per_layer
-    # x1.4: on an H200 the caching allocator held 52 GiB after a step the formula puts at 37.6
-    # (0.6B model, 64 x 288-token sequences per micro-batch): temporaries and fragmentation.
-    parts["activations"] = int(1.4 * size.activation_factor * (act * min(pp, 2) + 8 * s * b * size.vocab / tp))
+    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel)
+    act = (layers * pb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
+    # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
+    # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch),
+    # when its norms and SwiGLU still kept 84.4 kB per token and layer: counted as activation_bytes
+    # counts, 51.1 GiB.
+    parts["activations"] = int(1.15 * size.activation_factor * (act * min(pp, 2) + head))
     # vLLM: weights split over the engine's TP group; it takes gpu_memory_utilization of the card for
     # weights, activations and KV cache (or weights + the explicit KV budget).
     wbytes = 1 if r.weight_quantization == "fp8" else pb

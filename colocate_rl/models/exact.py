@@ -32,7 +32,6 @@ tolerance. Needs CUDA and vLLM's GPU build; on anything else the run stops at co
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import os
 from typing import Optional
@@ -40,7 +39,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from colocate_rl.models.norm import RMSNorm
+from colocate_rl.models.norm import RMSNorm, rms_norm_backward
+from colocate_rl.models.swiglu import SwiGLU, with_activation
 
 ENV = "VLLM_BATCH_INVARIANT"
 
@@ -80,11 +80,6 @@ def forward_mm(invariant_mm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
 
 
-def config_fields() -> dict:
-    """TransformerConfig fields of exact mode: the MLP's activation becomes a module (ExactSwiGLU)."""
-    return dict(use_te_activation_func=True)
-
-
 def model_kwargs(kwargs: dict) -> dict:
     """GPTModel keyword arguments of exact mode: rotary moves into ExactAttention (vLLM's kernel)."""
     return {**kwargs, "position_embedding_type": "none"}
@@ -122,12 +117,10 @@ def layer_spec(config, rope_base: float, max_position: int, pp_rank: Optional[in
         attn.q_layernorm = attn.k_layernorm = fresh
         # megatron-core gives the MLP as partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...)),
         # a MoE layer as partial(MoELayer, submodules=MoESubmodules(...)).
-        mlp = sub.mlp
+        mlp = with_activation(sub.mlp, ExactSwiGLU)
         if isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
-            sub.mlp = functools.partial(ExactMoELayer, *mlp.args, **mlp.keywords)
-        else:
-            sub.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
-                mlp.keywords["submodules"], activation_func=ExactSwiGLU)})
+            mlp = functools.partial(ExactMoELayer, *mlp.args, **mlp.keywords)
+        sub.mlp = mlp
     return spec
 
 
@@ -157,23 +150,6 @@ class _NormFn(torch.autograd.Function):
         return (*rms_norm_backward(grad, x, weight, ctx.eps), None, None)
 
 
-def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """grad, x [..., h], weight [h] → (dx, dweight) of ``weight * x * rsqrt(mean(x²) + eps)``, in the
-    inputs' dtypes: the closed form in fp32, with no autograd graph of its own (a nested
-    ``autograd.grad`` per norm is host time, and exact mode's train step is host-bound: 1.17 s of wall
-    time for 0.56 s of kernels, docs/performance.md). Means are sums / h: in batch-invariant mode
-    ``mean`` is vLLM's Triton kernel, launched from Python."""
-    h = x.shape[-1]
-    xf, gf = x.float(), grad.float()  # x or grad themselves when fp32: nothing below writes into them
-    rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
-    xhat = xf * rstd
-    dw = (gf * xhat).reshape(-1, h).sum(0)
-    gxhat = gf * weight.float()
-    dot = (gxhat * xhat).sum(-1, keepdim=True).div_(h)
-    dx = gxhat.addcmul_(xhat, dot, value=-1).mul_(rstd)
-    return dx.to(x.dtype), dw.to(weight.dtype)
-
-
 class ExactRMSNorm(RMSNorm):
     """x [..., hidden] → same shape and dtype, by vLLM's kernel for where the norm sits: after the
     residual add (``after_add``, the fused CUDA kernel) or on a fresh tensor (the Triton one)."""
@@ -189,35 +165,16 @@ class ExactRMSNorm(RMSNorm):
 # ---------------------------------------------------------------- SwiGLU
 
 
-class _SwiGLUFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-        torch.ops._C.silu_and_mul(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return swiglu_backward(grad, x)
+def _vllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    torch.ops._C.silu_and_mul(out, x.contiguous())
+    return out
 
 
-def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad [..., ffn], x [..., 2 * ffn] (gate | up) → d/dx of silu(gate) * up, in x's dtype: the
-    closed form through torch's fused SiLU backward (no autograd graph of its own)."""
-    gate, up = x.chunk(2, dim=-1)
-    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), dim=-1)
-
-
-class ExactSwiGLU(torch.nn.Module):
+class ExactSwiGLU(SwiGLU):
     """[..., 2 * ffn] (gate | up) → [..., ffn]: silu(gate) * up by vLLM's kernel."""
 
-    def __init__(self, config=None, **kwargs):
-        super().__init__()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SwiGLUFn.apply(x)
+    kernel = staticmethod(_vllm_silu_and_mul)
 
 
 # ---------------------------------------------------------------- rotary + attention

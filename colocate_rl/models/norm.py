@@ -13,6 +13,56 @@ from __future__ import annotations
 import torch
 
 
+def rms_norm_input_grad(gxhat: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """gxhat, x [..., h] → [..., h] float32: the gradient at x of xhat = x * rsqrt(mean(x²) + eps)
+    given the gradient at xhat, in closed form (no autograd graph of its own). Means are sums / h:
+    in exact mode's batch-invariant setting ``mean`` is a Triton kernel launched from Python."""
+    h = x.shape[-1]
+    xf, gf = x.float(), gxhat.float()  # x or gxhat themselves when fp32: nothing below writes into them
+    rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
+    xhat = xf * rstd
+    dot = (gf * xhat).sum(-1, keepdim=True).div_(h)
+    return (gf - xhat * dot).mul_(rstd)
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """grad, x [..., h], weight [h] → (dx, dweight) of ``weight * x * rsqrt(mean(x²) + eps)`` with the
+    weight inside the fp32 product (vLLM's norms, DeepSeek-V4's), in the inputs' dtypes, in closed
+    form: a nested ``autograd.grad`` per norm would be host time."""
+    h = x.shape[-1]
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
+    dw = (grad.float() * xhat).reshape(-1, h).sum(0)
+    dx = rms_norm_input_grad(grad.float() * weight.float(), x, eps)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """weight * round(rms_norm(x in fp32)), keeping only x and the weight for the backward (autograd
+    of the same expression keeps an fp32 copy of x and the rounded result too: 6 bytes per element
+    of a 16-bit x instead of 2)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        # torch's rms_norm is x * rsqrt(mean(x^2) + eps) as HF writes it out, through torch's fused
+        # kernel where the device has one (aten._fused_rms_norm); the weight stays outside so that
+        # the rounding to its dtype comes before the scaling, as above.
+        h = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)
+        return weight * h.to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + ctx.eps)
+        h = (xf * rstd).to(weight.dtype)
+        dw = (grad.float() * h.float()).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        dx = rms_norm_input_grad(grad * weight, x, ctx.eps)  # grad * weight in 16-bit, as autograd's
+        return dx.to(x.dtype), dw, None
+
+
 class RMSNorm(torch.nn.Module):
     """x [..., hidden] → same shape and dtype. Weight [hidden] in config.params_dtype."""
 
@@ -26,9 +76,4 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's rms_norm is x * rsqrt(mean(x^2) + eps) as HF writes it out, through torch's fused
-        # kernel where the device has one (aten._fused_rms_norm, with a fused backward); written out
-        # it is five kernels each way. The weight stays outside so that the rounding to its dtype
-        # comes before the scaling, as above.
-        h = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return self.weight * h.to(self.weight.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)

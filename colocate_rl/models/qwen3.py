@@ -110,6 +110,9 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
         qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=F.silu,
+        # The MLP's activation is the spec's module (layer_spec: SwiGLU, which keeps half the
+        # bytes of megatron-core's inline one for the backward; TE's own under TE).
+        use_te_activation_func=True,
         add_bias_linear=False,
         add_qkv_bias=False,
         hidden_dropout=0.0,
@@ -130,6 +133,7 @@ def layer_spec(config, use_te: bool):
 
     from colocate_rl.models.attention import SDPACoreAttention
     from colocate_rl.models.norm import RMSNorm
+    from colocate_rl.models.swiglu import SwiGLU, with_activation
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
@@ -139,6 +143,7 @@ def layer_spec(config, use_te: bool):
             sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
             attn = sub.self_attention.submodules
             attn.core_attention, attn.q_layernorm, attn.k_layernorm = SDPACoreAttention, RMSNorm, RMSNorm
+            sub.mlp = with_activation(sub.mlp, SwiGLU)
     return spec
 
 

@@ -114,6 +114,12 @@ class ModelSize:
     moe_intermediate: int = 0
     topk: int = 0
     activation_factor: float = 1.0  # the family's (Family.activation_factor)
+    # A standard GPT layer's widths (query heads x head_dim, key/value groups x head_dim, the dense
+    # MLP's): its activations are counted from them (memory.activation_bytes); 0 for a family with
+    # its own builder, whose layers the memory plan does not model op by op.
+    q_width: int = 0
+    kv_width: int = 0
+    ffn: int = 0
 
 
 def model_size(hf: dict) -> ModelSize:
@@ -127,7 +133,15 @@ def model_size(hf: dict) -> ModelSize:
         total=sum(n for n, _ in sizes), experts=sum(n for n, e in sizes if e), hidden=int(hf["hidden_size"]),
         layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
         moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
-        topk=int(hf.get("num_experts_per_tok") or 0), activation_factor=family.activation_factor)
+        topk=int(hf.get("num_experts_per_tok") or 0), activation_factor=family.activation_factor,
+        **(_gpt_widths(hf) if family.build is None else {}))
+
+
+def _gpt_widths(hf: dict) -> dict:
+    hd = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return dict(q_width=hd * int(hf["num_attention_heads"]),
+                kv_width=hd * int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+                ffn=int(hf.get("intermediate_size") or 0))
 
 
 def moe_routing(hf: dict) -> Optional[MoeRouting]:

@@ -41,6 +41,7 @@ from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.registry import family_for, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
+from colocate_rl.trainer.census import SavedTensorCensus
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
 from colocate_rl.trainer.host_adam import HostAdam
 from colocate_rl.trainer.logprobs import token_logprobs
@@ -98,7 +99,7 @@ class Actor:
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
             fp32_residual_connection=a.fp32_residual,
-            **recompute, **(exact.config_fields() if self.exact else {}),
+            **recompute,
         )
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
         self.specs = self.family.params(self.hf_config)
@@ -423,6 +424,26 @@ class Actor:
         out["tokens_per_s"] = out["tokens"] / out["time_s"]
         out["optimizer_steps"] = float(len(steps))
         return out
+
+    def activation_census(self, batch: RolloutBatch) -> dict[str, int]:
+        """Bytes the training forward of ``batch`` (one micro-batch: every row) keeps for its backward,
+        by module (trainer/census.py); the logprob loss's own under '<loss>'. Runs the forward and the
+        backward, not the optimizer: the weights do not change."""
+        self._check_onloaded()
+        self.model.train()
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        census = SavedTensorCensus(self.model, params)
+
+        def nll(item, tokens, output):
+            mb = item[0]
+            lp = self._token_logprobs(output, tokens)
+            return -torch.where(mb.loss_mask, lp, 0).sum() / max(int(mb.loss_mask.sum()), 1), {}
+
+        self.model.zero_grad_buffer()
+        with census.counting():
+            self._run([(batch.to(self.device),)], nll, forward_only=False)
+        self.model.zero_grad_buffer()
+        return census.by_module()
 
     def _grads_finite(self) -> bool:
         """Every rank's gradient buffers hold only finite values (one flag, reduced over the world)."""

@@ -45,15 +45,17 @@ def blocks():
     """megatron-core's MoE layer of the model's spec and the exact spec's, the same parameters."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from colocate_rl.models.swiglu import SwiGLU, with_activation
+
     family = family_for(HF)
-    config, exact_config = (family.transformer_config(HF, torch.float32, use_cpu_initialization=True, **extra)
-                            for extra in ({}, exact.config_fields()))
+    config = family.transformer_config(HF, torch.float32, use_cpu_initialization=True)
     plain = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
-    ours = exact.layer_spec(exact_config, 1e6, 4096, pp_rank=0)
-    mlp, exact_mlp = plain.layer_specs[0].submodules.mlp, ours.layer_specs[0].submodules.mlp
+    ours = exact.layer_spec(config, 1e6, 4096, pp_rank=0)
+    # The model's own MoE block: megatron-core's, its experts' activation the local spec's (qwen3.layer_spec).
+    mlp, exact_mlp = with_activation(plain.layer_specs[0].submodules.mlp, SwiGLU), ours.layer_specs[0].submodules.mlp
     assert isinstance(exact_mlp, functools.partial) and exact_mlp.func is exact_moe.ExactMoELayer
     torch.manual_seed(0)
-    ref, mine = mlp(config=config, layer_number=1), exact_mlp(config=exact_config, layer_number=1)
+    ref, mine = mlp(config=config, layer_number=1), exact_mlp(config=config, layer_number=1)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.5)

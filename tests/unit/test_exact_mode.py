@@ -44,8 +44,7 @@ def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
     from colocate_rl.models import exact
 
     config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                               normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
-                               **exact.config_fields())
+                               normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, use_te_activation_func=True)
     spec = exact.layer_spec(config, 1e6, 4096, pp_rank=0)  # pp_rank: no process group needed
     after_add = [(layer.submodules.input_layernorm.params["after_add"],
                   layer.submodules.pre_mlp_layernorm.params["after_add"]) for layer in spec.layer_specs]
@@ -101,7 +100,8 @@ def test_closed_form_backwards_are_autograds():
     import torch
     import torch.nn.functional as F
 
-    from colocate_rl.models.exact import rms_norm_backward, swiglu_backward
+    from colocate_rl.models.norm import rms_norm_backward
+    from colocate_rl.models.swiglu import swiglu_backward
 
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):

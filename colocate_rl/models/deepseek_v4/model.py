@@ -50,6 +50,7 @@ from megatron.core.transformer.module import MegatronModule
 from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
 from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, rope_cos_sin,
                                                  unweighted_rms_norm)
+from colocate_rl.models.norm import rms_norm_backward
 
 
 # Queries per attention / indexer block: bounds the score tensors at long context.
@@ -103,6 +104,24 @@ def _local_rows(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- small pieces
 
 
+class _NormFn(torch.autograd.Function):
+    """The norm below, keeping only x and the weight for the backward (autograd of the formula keeps
+    three fp32 copies of x's size)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * h).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (*rms_norm_backward(grad, x, weight, ctx.eps), None)
+
+
 class RMSNorm(torch.nn.Module):
     """x [..., n] → same dtype; normalised in fp32 and multiplied by the weight in fp32 before the
     rounding (the released model keeps its norm weights in fp32)."""
@@ -113,9 +132,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        return _NormFn.apply(x, self.weight, self.eps)
 
 
 class ReplicatedLinear(torch.nn.Module):

@@ -1,0 +1,113 @@
+"""What the actor's training forward keeps for its backward, by module, against the memory plan.
+
+    python benchmarks/activation_census.py                                 # qwen3-0.6b@2, 4 x 288 tokens
+    python benchmarks/activation_census.py --shape qwen3-8b@1 --vocab 32768   # 8B's layer in < 24 GiB
+    python benchmarks/activation_census.py --shape qwen3-moe-small@2
+
+One micro-batch runs through the actor's own forward and backward (Actor.activation_census: what
+autograd saves, by module, counted once per storage, parameters left out; the bytes do not depend
+on the device, so the census runs on a CPU and holds on a GPU). Prints the bytes per token of one
+decoder layer and of the output head + loss next to what the memory plan counts for them
+(memory.activation_bytes), and records them under the shape's name in
+benchmarks/results/activation_census_cpu.json (or --out). --vocab: a smaller vocabulary than the
+shape's, to fit a wide layer in a small host (a layer's bytes do not depend on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform as py_platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_batch(rows: int, seq: int, vocab: int):
+    """``rows`` full rows of ``seq`` tokens, the last three quarters scored."""
+    from colocate_rl.types import RolloutBatch, Sample
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, vocab, (rows, seq), generator=g)
+    attn = torch.ones(rows, seq, dtype=torch.bool)
+    loss = attn.clone()
+    loss[:, : seq // 4] = False
+    return RolloutBatch(
+        tokens=tokens, attention_mask=attn, loss_mask=loss, rollout_logprobs=torch.zeros(rows, seq),
+        prompt_lens=torch.full((rows,), seq // 4), response_lens=torch.full((rows,), seq - seq // 4),
+        group_ids=torch.arange(rows) // 2, truncated=torch.zeros(rows, dtype=torch.bool),
+        finish_reasons=["stop"] * rows, responses=[""] * rows, samples=[Sample([1])] * rows,
+        advantages=torch.randn(rows, generator=g),
+    )
+
+
+def write_model(hf: dict, out: Path, dtype: str) -> Path:
+    """A random-weight HF model folder of config ``hf``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf, dtype=dtype)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(out))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b@2", help="a model.synthesize shape (name@layers)")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--seq", type=int, default=288)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab", type=int, default=0, help="vocab_size instead of the shape's")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/activation_census_cpu.json"))
+    a = p.parse_args()
+
+    from colocate_rl.config import Config, ModelConfig
+    from colocate_rl.memory import activation_bytes
+    from colocate_rl.models.registry import model_size
+    from colocate_rl.models.tiny import ensure_model, shape_config
+    from colocate_rl.trainer import Actor
+
+    hf = shape_config(a.shape)
+    hf["vocab_size"] = a.vocab or hf["vocab_size"]
+    layers = hf["num_hidden_layers"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model(hf, Path(tmp), a.dtype) if a.vocab else ensure_model(a.shape, Path(tmp) / "m", dtype=a.dtype)
+        cfg = Config(model=ModelConfig(path=str(path), dtype=a.dtype))
+        cfg.actor.micro_batch_size = a.rows
+        cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens = a.seq // 4, a.seq - a.seq // 4
+        cfg.actor.optimizer_cpu_offload = True  # host Adam: no device state for an update the census never runs
+        actor = Actor(cfg)
+    groups = actor.activation_census(make_batch(a.rows, a.seq, hf["vocab_size"]))
+    tokens = a.rows * a.seq
+    in_layers = sum(n for k, n in groups.items() if k.startswith("decoder.layers.*"))
+    head = sum(n for k, n in groups.items() if not k.startswith("decoder.layers.*"))
+    plan_layer, plan_head = activation_bytes(model_size(hf), tokens, element_bytes=actor.dtype.itemsize)
+    run = {
+        "dtype": a.dtype, "rows": a.rows, "seq": a.seq, "layers": layers, "vocab": hf["vocab_size"],
+        "per_layer_bytes_per_token": {"measured": in_layers / layers / tokens, "planned": plan_layer / tokens},
+        "head_bytes_per_token": {"measured": head / tokens, "planned": plan_head / tokens},
+        "by_module_bytes_per_token": {k: n / tokens for k, n in groups.items()},
+    }
+    print(f"{a.shape} {a.dtype}, {a.rows} x {a.seq} tokens")
+    for what in ("per_layer_bytes_per_token", "head_bytes_per_token"):
+        m, pl = run[what]["measured"], run[what]["planned"]
+        print(f"  {what}: measured {m:,.0f}, planned {pl:,.0f} (measured / planned {m / pl:.2f})")
+    for k, v in run["by_module_bytes_per_token"].items():
+        print(f"    {v:>12,.0f} B/token  {k}")
+    out = Path(a.out)
+    result = json.loads(out.read_text()) if out.is_file() else {"benchmark": "activation_census", "runs": {}}
+    result["runs"][a.shape] = run
+    result["machine"] = {"device": "cpu", "processor": py_platform.processor() or py_platform.machine(),
+                         "torch": torch.__version__}
+    result["date"] = datetime.date.today().isoformat()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The memory plan's activation count against what the actor's training forward really keeps for its
+backward (Actor.activation_census, real megatron-core on CPU): a plan that undercounts would let a
+step run out of device memory that the plan said fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colocate_rl.config import Config, ModelConfig
+from colocate_rl.memory import activation_bytes
+from colocate_rl.models.registry import model_size, read_hf_config
+
+from batches import synthetic_batch
+
+
+@pytest.mark.parametrize("shape,dtype", [("qwen3-tiny", "float32"), ("qwen3-tiny", "bfloat16"),
+                                         ("qwen3-moe-tiny", "bfloat16")])
+def test_plan_counts_each_layers_saved_activations(tiny_model, shape, dtype):
+    from colocate_rl.trainer import Actor
+
+    path = tiny_model(shape)
+    actor = Actor(Config(model=ModelConfig(path=str(path), dtype=dtype)))
+    batch = synthetic_batch([24] * 8, vocab=320, seed=0)  # 8 full rows of 24 tokens
+    before = actor.weight_checksums()
+    groups = actor.activation_census(batch)
+    assert actor.weight_checksums() == before  # a census runs no optimizer step
+
+    hf = read_hf_config(path)
+    tokens, layers = batch.tokens.numel(), hf["num_hidden_layers"]
+    in_layers = sum(n for k, n in groups.items() if k.startswith("decoder.layers.*"))
+    assert in_layers > 0 and "<loss>" in groups, groups
+    planned, head = activation_bytes(model_size(hf), tokens, element_bytes=actor.dtype.itemsize)
+    ratio = in_layers / layers / planned
+    assert 0.9 <= ratio <= 1.1, f"{shape} {dtype}: a layer keeps {ratio:.2f}x what the plan counts: {groups}"
+    # The loss keeps the fp32 softmax over the vocabulary; the plan adds the backward's gradient.
+    assert groups["<loss>"] >= tokens * hf["vocab_size"] * 4 and head >= groups["<loss>"]

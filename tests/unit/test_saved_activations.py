@@ -1,0 +1,129 @@
+"""The local spec's RMSNorm and SwiGLU: the same forward bits as autograd of their formulas, the same
+gradients within rounding, and only their inputs kept for the backward (memory.activation_bytes)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colocate_rl.models.norm import RMSNorm
+from colocate_rl.models.swiglu import SwiGLU
+
+
+def saved_bytes(fn, *inputs, held=()) -> tuple[torch.Tensor, int]:
+    """fn(*inputs) and the bytes of the distinct storages autograd saved for its backward, the
+    inputs' and ``held``'s (parameters) left out."""
+    held = {t.untyped_storage().data_ptr() for t in (*inputs, *held)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in held:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return out, sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_keeps_only_its_input(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    config = types.SimpleNamespace(use_cpu_initialization=True, params_dtype=dtype, sequence_parallel=False)
+    norm = RMSNorm(config, 64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(3, 5, 64, generator=g).to(dtype)
+
+    out, kept = saved_bytes(norm, x, held=[norm.weight])
+    assert kept == 0, f"the norm kept {kept} bytes beside its input and weight"
+    # The formula megatron-core's local spec would run, through autograd.
+    w = norm.weight.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    ref, ref_kept = saved_bytes(lambda a, b: b * F.rms_norm(a.float(), (64,), eps=1e-6).to(dtype), xr, w)
+    assert ref_kept >= x.numel() * x.element_size()  # autograd keeps the norm (and in 16-bit an fp32 copy of x)
+    assert torch.equal(out, ref)  # the same bits forward
+
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in ((x.grad, xr.grad), (norm.weight.grad, w.grad)):
+        assert got.dtype == want.dtype
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_deepseek_v4_norm_keeps_only_its_input(dtype, tol):
+    pytest.importorskip("megatron.core")
+    from colocate_rl.models.deepseek_v4.model import RMSNorm as DSv4Norm
+
+    g = torch.Generator().manual_seed(2)
+    config = types.SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32)
+    norm = DSv4Norm(config, 64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(3, 5, 64, generator=g).to(dtype)
+    out, kept = saved_bytes(norm, x, held=[norm.weight])
+    assert kept == 0, f"the norm kept {kept} bytes beside its input and weight"
+
+    w = norm.weight.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+
+    def formula(a, b):  # the released model's norm: weight inside the fp32 product, then the rounding
+        h = a.float()
+        return (b.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype)
+
+    ref, ref_kept = saved_bytes(formula, xr, w)
+    assert ref_kept >= x.numel() * 4  # fp32 copies of x's size (x itself in fp32)
+    assert torch.equal(out, ref)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in ((x.grad, xr.grad), (norm.weight.grad, w.grad)):
+        assert got.dtype == want.dtype
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_swiglu_keeps_only_its_input(dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 7, 96, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(4, 7, 48, generator=g).to(dtype)
+    out, kept = saved_bytes(SwiGLU(), x)
+    assert kept == 0, f"SwiGLU kept {kept} bytes beside its input"
+
+    xr = x.detach().clone().requires_grad_()
+
+    def inline(a):  # megatron-core's local MLP (glu_linear_offset 0)
+        gate, up = torch.chunk(a, 2, dim=-1)
+        return F.silu(gate) * (up + 0.0)
+
+    ref, ref_kept = saved_bytes(inline, xr)
+    assert ref_kept >= 2 * grad.numel() * grad.element_size()  # silu(gate) and the offset copy of up
+    assert torch.equal(out, ref)
+    out.backward(grad)
+    ref.backward(grad)
+    assert ((x.grad.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item() < tol
+
+
+def test_every_qwen3_mlp_gets_the_swiglu_module():
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from colocate_rl.models import qwen3
+    from colocate_rl.models.swiglu import with_activation
+    from colocate_rl.models.tiny import SHAPES
+
+    for shape in ("qwen3-tiny", "qwen3-moe-tiny"):
+        config = qwen3.transformer_config(dict(SHAPES[shape]), torch.float32, use_cpu_initialization=True)
+        assert config.use_te_activation_func  # megatron-core calls the spec's module only then
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
+        mlp = with_activation(spec.layer_specs[0].submodules.mlp, SwiGLU)
+        sub = mlp.keywords["submodules"]
+        builders = [sub.experts, sub.shared_experts] if hasattr(sub, "experts") else [mlp]
+        for builder in builders:
+            assert builder.keywords["submodules"].activation_func is SwiGLU, shape
