@@ -30,57 +30,47 @@ def saved_bytes(fn, *inputs, held=()) -> tuple[torch.Tensor, int]:
     return out, sum(seen.values())
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_rms_norm_keeps_only_its_input(dtype, tol):
-    g = torch.Generator().manual_seed(0)
+def hf_order(x, w):  # Qwen3's (HF's): normalise in fp32, round, then scale by the weight
+    return w * F.rms_norm(x.float(), x.shape[-1:], eps=1e-6).to(w.dtype)
+
+
+def weight_inside(x, w):  # DeepSeek-V4's: the weight inside the fp32 product, then the rounding
+    h = x.float()
+    return (w.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))).to(x.dtype)
+
+
+def qwen3_norm(dtype):
     config = types.SimpleNamespace(use_cpu_initialization=True, params_dtype=dtype, sequence_parallel=False)
-    norm = RMSNorm(config, 64, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
-    x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
-    grad = torch.randn(3, 5, 64, generator=g).to(dtype)
-
-    out, kept = saved_bytes(norm, x, held=[norm.weight])
-    assert kept == 0, f"the norm kept {kept} bytes beside its input and weight"
-    # The formula megatron-core's local spec would run, through autograd.
-    w = norm.weight.detach().clone().requires_grad_()
-    xr = x.detach().clone().requires_grad_()
-    ref, ref_kept = saved_bytes(lambda a, b: b * F.rms_norm(a.float(), (64,), eps=1e-6).to(dtype), xr, w)
-    assert ref_kept >= x.numel() * x.element_size()  # autograd keeps the norm (and in 16-bit an fp32 copy of x)
-    assert torch.equal(out, ref)  # the same bits forward
-
-    out.backward(grad)
-    ref.backward(grad)
-    for got, want in ((x.grad, xr.grad), (norm.weight.grad, w.grad)):
-        assert got.dtype == want.dtype
-        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+    return RMSNorm(config, 64, eps=1e-6)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_deepseek_v4_norm_keeps_only_its_input(dtype, tol):
+def dsv4_norm(dtype):
     pytest.importorskip("megatron.core")
     from colocate_rl.models.deepseek_v4.model import RMSNorm as DSv4Norm
 
-    g = torch.Generator().manual_seed(2)
-    config = types.SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32)
-    norm = DSv4Norm(config, 64, eps=1e-6)
+    config = types.SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32)  # fp32 weights
+    return DSv4Norm(config, 64, eps=1e-6)
+
+
+@pytest.mark.parametrize("make,formula", [(qwen3_norm, hf_order), (dsv4_norm, weight_inside)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_norm_keeps_only_its_input(make, formula, dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    norm = make(dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
     x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(3, 5, 64, generator=g).to(dtype)
+
     out, kept = saved_bytes(norm, x, held=[norm.weight])
     assert kept == 0, f"the norm kept {kept} bytes beside its input and weight"
-
+    # The same formula through autograd.
     w = norm.weight.detach().clone().requires_grad_()
     xr = x.detach().clone().requires_grad_()
-
-    def formula(a, b):  # the released model's norm: weight inside the fp32 product, then the rounding
-        h = a.float()
-        return (b.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype)
-
     ref, ref_kept = saved_bytes(formula, xr, w)
-    assert ref_kept >= x.numel() * 4  # fp32 copies of x's size (x itself in fp32)
-    assert torch.equal(out, ref)
+    assert ref_kept >= x.numel() * x.element_size()  # at least the norm of x (and in 16-bit an fp32 copy of x)
+    assert torch.equal(out, ref)  # the same bits forward
+
     out.backward(grad)
     ref.backward(grad)
     for got, want in ((x.grad, xr.grad), (norm.weight.grad, w.grad)):
