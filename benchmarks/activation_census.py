@@ -70,6 +70,7 @@ def main() -> None:
     from colocate_rl.models.registry import model_size
     from colocate_rl.models.tiny import ensure_model, shape_config
     from colocate_rl.trainer import Actor
+    from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
 
     hf = shape_config(a.shape)
     hf["vocab_size"] = a.vocab or hf["vocab_size"]
@@ -89,7 +90,9 @@ def main() -> None:
     run = {
         "dtype": a.dtype, "rows": a.rows, "seq": a.seq, "layers": layers, "vocab": hf["vocab_size"],
         "per_layer_bytes_per_token": {"measured": in_layers / layers / tokens, "planned": plan_layer / tokens},
-        "head_bytes_per_token": {"measured": head / tokens, "planned": plan_head / tokens},
+        # The plan's head also holds two chunks of fp32 temporaries (the backward's), left out here.
+        "head_bytes_per_token": {"measured": head / tokens,
+                                 "planned": (plan_head - 8 * min(CHUNK_ELEMENTS, tokens * hf["vocab_size"])) / tokens},
         "by_module_bytes_per_token": {k: n / tokens for k, n in groups.items()},
     }
     print(f"{a.shape} {a.dtype}, {a.rows} x {a.seq} tokens")

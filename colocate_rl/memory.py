@@ -199,7 +199,8 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE layer (activation_census_cpu.json).
     Tensor parallelism splits all but the 4·h (those too under sequence parallelism). Another
     family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps
-    the fp32 logits' softmax and, in the backward, their gradient: 4 bytes per vocabulary entry each."""
+    the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype,
+    plus two chunks of fp32 temporaries (of at most CHUNK_ELEMENTS each)."""
     h = size.hidden
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \
@@ -209,7 +210,10 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
         per_layer = 34 * tokens * h / tp
         if size.experts and size.topk:  # routed MLP activations grow with top-k x expert width
             per_layer += 4 * tokens * size.topk * size.moe_intermediate / tp
-    return int(per_layer), int(8 * tokens * size.vocab / tp)
+    from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
+
+    logits = tokens * size.vocab / tp
+    return int(per_layer), int(2 * element_bytes * logits + 2 * 4 * min(logits, CHUNK_ELEMENTS))
 
 
 def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
@@ -241,9 +245,9 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel)
     act = (layers * pb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
-    # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch),
-    # when its norms and SwiGLU still kept 84.4 kB per token and layer: counted as activation_bytes
-    # counts, 51.1 GiB.
+    # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch) when
+    # the actor kept 84.4 kB per token and layer and 616 kB for the head (activation_census_cpu.json,
+    # earlier_code): 51.1 GiB of saved tensors.
     parts["activations"] = int(1.15 * size.activation_factor * (act * min(pp, 2) + head))
     # vLLM: weights split over the engine's TP group; it takes gpu_memory_utilization of the card for
     # weights, activations and KV cache (or weights + the explicit KV budget).

@@ -1,24 +1,99 @@
-"""Per-token logprobs from (vocab-parallel) logits, aligned as in colocate_rl.types."""
+"""Per-token logprobs from (vocab-parallel) logits, aligned as in colocate_rl.types.
+
+The vocabulary is the widest axis in the model (151,936 for Qwen3), so the loss's own tensors are
+a large share of a step's activations. Taking log_softmax of an fp32 copy of the logits through
+autograd keeps that fp32 softmax for the backward: 4 bytes per vocabulary entry and token, on top
+of the 16-bit logits alive while it is made. Here the logprobs are computed in row chunks from the
+logits as they are, and only the logits and two floats per token (max and log-sum-exp) are kept;
+the backward recomputes each chunk's softmax. Half the bytes kept in a 16-bit model, and the fp32
+temporaries never exceed one chunk (benchmarks/activation_census.py measures it).
+
+Under tensor parallelism each rank holds a slice of the vocabulary: max and sum-exp are all-reduced
+over the tensor-parallel group and the target's logit comes from the rank that holds it, so the
+whole vocabulary is never gathered (as megatron-core's vocab_parallel_cross_entropy does it).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+# fp32 elements of one chunk's temporaries (256 MiB): rows per chunk = this // the vocabulary slice.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None, 0
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+
+
+def _chunks(n: int, width: int):
+    rows = max(1, CHUNK_ELEMENTS // max(width, 1))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def _scaled(logits: torch.Tensor, rows: slice, temperature: float) -> torch.Tensor:
+    """A fresh fp32 copy of rows of the logits, divided by the temperature (free to write into)."""
+    x = logits[rows].to(torch.float32, copy=True)
+    if temperature != 1.0:
+        x /= temperature
+    return x
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """logits [N, V/tp], targets [N] (global ids) → [N] float32 log p(target) at ``temperature``: the
+    same operations, in the same order, as megatron-core's vocab_parallel_cross_entropy, by chunks."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        group, rank = _tp_group()
+        n, width = logits.shape
+        start = rank * width
+        local = (targets >= start) & (targets < start + width)
+        index = torch.where(local, targets - start, 0)[:, None]
+        peak = torch.empty(n, dtype=torch.float32, device=logits.device)
+        sum_exp, target = torch.empty_like(peak), torch.empty_like(peak)
+        if group is not None:  # the max must be the group's before any exp
+            for rows in _chunks(n, width):
+                peak[rows] = _scaled(logits, rows, temperature).max(dim=-1).values
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        for rows in _chunks(n, width):
+            x = _scaled(logits, rows, temperature)
+            if group is None:
+                peak[rows] = x.max(dim=-1).values
+            x -= peak[rows, None]
+            target[rows] = torch.where(local[rows], x.gather(1, index[rows])[:, 0], 0.0)
+            sum_exp[rows] = x.exp_().sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(sum_exp, group=group)
+            dist.all_reduce(target, group=group)
+        log_sum_exp = sum_exp.log_()
+        ctx.save_for_backward(logits, local, index, peak, log_sum_exp)
+        ctx.temperature = temperature
+        return target - log_sum_exp
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, local, index, peak, log_sum_exp = ctx.saved_tensors
+        t = ctx.temperature
+        out = torch.empty_like(logits)
+        for rows in _chunks(*logits.shape):
+            p = _scaled(logits, rows, t).sub_(peak[rows, None]).sub_(log_sum_exp[rows, None]).exp_()  # softmax
+            g = grad[rows, None].float()
+            d = p.mul_(-g)  # d log p(target) / d logit_j = [j = target] - softmax_j, times the incoming grad
+            d.scatter_add_(1, index[rows], torch.where(local[rows, None], g, 0.0))
+            out[rows] = d / t if t != 1.0 else d
+        return out, None, None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logits [b, t, V/tp] (this tensor-parallel rank's vocabulary slice), tokens [b, t] → [b, t]
-    float32 with out[:, t] = log p(tokens[t] | tokens[:t]) and out[:, 0] = 0.
-
-    Megatron's vocab_parallel_cross_entropy all-reduces max and sum-exp over the tensor-parallel
-    group, so the full vocabulary is never gathered. It also overwrites its fp32 input in place
-    (to save a copy): the logits must not be read after this call.
-    """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    float32 with out[:, t] = log p(tokens[t] | tokens[:t]) and out[:, 0] = 0."""
+    b, t, width = logits.shape
     # Position t predicts tokens[t + 1]; the last position predicts nothing (its target is a dummy).
-    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
-    nll = vocab_parallel_cross_entropy(logits, targets)  # [b, t]; needs contiguous logits (it views them 2-D)
-    return torch.nn.functional.pad(-nll[:, :-1], (1, 0))
+    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
+    lp = _VocabParallelLogprobs.apply(logits.reshape(b * t, width), targets, float(temperature)).view(b, t)
+    return torch.nn.functional.pad(lp[:, :-1], (1, 0))
