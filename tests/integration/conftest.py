@@ -4,6 +4,18 @@ from colocate_rl.rewards import REWARDS, register
 
 
 @pytest.fixture(scope="module")
+def world():
+    """One process's Megatron parallel state (gloo, TP = PP = EP = 1), for tests that build modules
+    without an Actor."""
+    from colocate_rl import platform
+    from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
+
+    platform.setup_platform()
+    init_process_group()
+    init_model_parallel(1, 1, 1, 0)
+
+
+@pytest.fixture(scope="module")
 def even_length_reward():
     """A random-weight model scores 0 on arithmetic; this reward varies within every group, so each
     step really changes the weights and the weight-equality checks mean something. Registered only

@@ -5,7 +5,6 @@ step run out of device memory that the plan said fits."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from colocate_rl.config import Config, ModelConfig
 from colocate_rl.memory import activation_bytes

@@ -9,20 +9,10 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from colocate_rl import platform  # noqa: E402
 from colocate_rl.models.deepseek_v4 import FAMILY, synth  # noqa: E402
 
 TOL = 1e-4
 SEQ = 260  # two C128 entries, 65 C4 entries (index_topk 8 of them), 16-token windows
-
-
-@pytest.fixture(scope="module")
-def world():
-    from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
-
-    platform.setup_platform()
-    init_process_group()
-    init_model_parallel(1, 1, 1, 0)
 
 
 def megatron_model(hf: dict, folder):

@@ -14,21 +14,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from colocate_rl import platform  # noqa: E402
 from colocate_rl.models import exact, exact_moe  # noqa: E402
 from colocate_rl.models.registry import family_for, moe_routing  # noqa: E402
 from colocate_rl.models.tiny import SHAPES  # noqa: E402
 
 HF = {**SHAPES["qwen3-moe-tiny"], "num_hidden_layers": 1}
-
-
-@pytest.fixture(scope="module")
-def world():
-    from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
-
-    platform.setup_platform()
-    init_process_group()
-    init_model_parallel(1, 1, 1, 0)
 
 
 def cpu_topk(x, logits, k, renormalize):

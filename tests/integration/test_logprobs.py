@@ -9,17 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from colocate_rl import platform
 from colocate_rl.trainer import logprobs
-
-
-@pytest.fixture(scope="module")
-def world():
-    from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
-
-    platform.setup_platform()
-    init_process_group()
-    init_model_parallel(1, 1, 1, 0)
 
 
 def megatron_logprobs(logits, tokens, temperature):
