@@ -1,16 +1,19 @@
 """What the actor's training forward keeps for its backward, by module, against the memory plan.
 
-    python benchmarks/activation_census.py                                 # qwen3-0.6b@2, 4 x 288 tokens
-    python benchmarks/activation_census.py --shape qwen3-8b@1 --vocab 32768   # 8B's layer in < 24 GiB
+    python benchmarks/activation_census.py                                  # qwen3-0.6b@2, 4 x 288 tokens
+    python benchmarks/activation_census.py --shape qwen3-8b@1 --set vocab_size=32768 --rows 2
     python benchmarks/activation_census.py --shape qwen3-moe-small@2
+    python benchmarks/activation_census.py --shape deepseek-v4-mini --rows 2 --seq 256 \
+        --set num_hidden_layers=2 n_routed_experts=8 'compress_ratios=[0,4]' vocab_size=32768
 
 One micro-batch runs through the actor's own forward and backward (Actor.activation_census: what
 autograd saves, by module, counted once per storage, parameters left out; the bytes do not depend
 on the device, so the census runs on a CPU and holds on a GPU). Prints the bytes per token of one
 decoder layer and of the output head + loss next to what the memory plan counts for them
 (memory.activation_bytes), and records them under the shape's name in
-benchmarks/results/activation_census_cpu.json (or --out). --vocab: a smaller vocabulary than the
-shape's, to fit a wide layer in a small host (a layer's bytes do not depend on it).
+benchmarks/results/activation_census_cpu.json (or --out). --set changes the shape's config (JSON
+values): fewer layers, experts or vocabulary entries fit a real-width layer in a small host, and a
+layer's bytes per token do not depend on them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ def write_model(hf: dict, out: Path, dtype: str) -> Path:
     """A random-weight HF model folder of config ``hf``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if hf["model_type"] == "deepseek_v4":
+        from colocate_rl.models.deepseek_v4.synth import write_model as write_dsv4
+
+        return write_dsv4(out, hf, dtype=dtype)
     config = AutoConfig.for_model(**hf, dtype=dtype)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(str(out))
@@ -61,7 +68,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--seq", type=int, default=288)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--vocab", type=int, default=0, help="vocab_size instead of the shape's")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="config changes, e.g. vocab_size=32768")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/activation_census_cpu.json"))
     a = p.parse_args()
 
@@ -73,10 +80,12 @@ def main() -> None:
     from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
 
     hf = shape_config(a.shape)
-    hf["vocab_size"] = a.vocab or hf["vocab_size"]
+    changes = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+    hf.update(changes)
+    hf.pop("quantization_config", None)  # a bf16 actor: the released format's FP8 is the engine's
     layers = hf["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_model(hf, Path(tmp), a.dtype) if a.vocab else ensure_model(a.shape, Path(tmp) / "m", dtype=a.dtype)
+        path = write_model(hf, Path(tmp), a.dtype) if changes else ensure_model(a.shape, Path(tmp) / "m", dtype=a.dtype)
         cfg = Config(model=ModelConfig(path=str(path), dtype=a.dtype))
         cfg.actor.micro_batch_size = a.rows
         cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens = a.seq // 4, a.seq - a.seq // 4
@@ -86,9 +95,11 @@ def main() -> None:
     tokens = a.rows * a.seq
     in_layers = sum(n for k, n in groups.items() if k.startswith("decoder.layers.*"))
     head = sum(n for k, n in groups.items() if not k.startswith("decoder.layers.*"))
-    plan_layer, plan_head = activation_bytes(model_size(hf), tokens, element_bytes=actor.dtype.itemsize)
+    size = model_size(hf)
+    plan_layer, plan_head = activation_bytes(size, tokens, element_bytes=actor.dtype.itemsize)
+    plan_layer *= size.activation_factor  # a family's calibration (DeepSeek-V4's), as the plan applies it
     run = {
-        "dtype": a.dtype, "rows": a.rows, "seq": a.seq, "layers": layers, "vocab": hf["vocab_size"],
+        "dtype": a.dtype, "rows": a.rows, "seq": a.seq, "layers": layers, "config_changes": changes,
         "per_layer_bytes_per_token": {"measured": in_layers / layers / tokens, "planned": plan_layer / tokens},
         # The plan's head also holds two chunks of fp32 temporaries (the backward's), left out here.
         "head_bytes_per_token": {"measured": head / tokens,
@@ -103,7 +114,7 @@ def main() -> None:
         print(f"    {v:>12,.0f} B/token  {k}")
     out = Path(a.out)
     result = json.loads(out.read_text()) if out.is_file() else {"benchmark": "activation_census", "runs": {}}
-    result["runs"][a.shape] = run
+    result["runs"][" ".join([a.shape, *a.set])] = run
     result["machine"] = {"device": "cpu", "processor": py_platform.processor() or py_platform.machine(),
                          "torch": torch.__version__}
     result["date"] = datetime.date.today().isoformat()

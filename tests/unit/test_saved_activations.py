@@ -117,3 +117,26 @@ def test_every_qwen3_mlp_gets_the_swiglu_module():
         builders = [sub.experts, sub.shared_experts] if hasattr(sub, "experts") else [mlp]
         for builder in builders:
             assert builder.keywords["submodules"].activation_func is SwiGLU, shape
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_mhc_mixing_keeps_only_its_input(dtype, tol):
+    """DeepSeek-V4's mHC mixing logits: linear of the rms-normalised fp32 streams."""
+    from colocate_rl.models.deepseek_v4.ops import normed_linear, unweighted_rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 4 * 32, generator=g).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(24, 4 * 32, generator=g)).requires_grad_()
+    grad = torch.randn(2, 5, 24, generator=g)
+    out, kept = saved_bytes(lambda a, b: normed_linear(a, b, 1e-6), x, w)
+    assert kept == 0, f"kept {kept} bytes beside its inputs"
+
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref, ref_kept = saved_bytes(lambda a, b: F.linear(unweighted_rms_norm(a.float(), 1e-6), b.float()), xr, wr)
+    assert ref_kept >= x.numel() * 4  # the fp32 normalised streams
+    assert torch.equal(out, ref)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad)):
+        assert got.dtype == want.dtype
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol

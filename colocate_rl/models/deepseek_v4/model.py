@@ -48,8 +48,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
-from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, rope_cos_sin,
-                                                 unweighted_rms_norm)
+from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, normed_linear,
+                                                 rope_cos_sin, unweighted_rms_norm)
 from colocate_rl.models.norm import rms_norm_backward
 
 
@@ -199,8 +199,8 @@ class HyperHead(MegatronModule):
         self.scale = _param(config, 1, dtype=torch.float32)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.h.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.h.hc_eps
+        mixed = normed_linear(streams.flatten(2), self.fn, self.h.rms_norm_eps)
+        pre = torch.sigmoid(mixed * self.scale.float() + self.base.float()) + self.h.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
 
 

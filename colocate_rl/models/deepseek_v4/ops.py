@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from colocate_rl.models.norm import rms_norm_input_grad
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., n] → x / rms(x), the scale computed in fp32 and rounded to x's dtype."""
@@ -40,13 +42,38 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+class _NormedLinear(torch.autograd.Function):
+    """F.linear(unweighted_rms_norm(x in fp32), w), keeping only x and w for the backward: autograd
+    of the formula keeps x's fp32 copy and the fp32 normalised streams (16 bytes per element of a
+    bf16 x, 4 streams x hidden wide per token, at every mHC), and the backward recomputes them."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return F.linear(unweighted_rms_norm(x.float(), eps), w.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        flat = unweighted_rms_norm(x.float(), ctx.eps)
+        g = grad.float()
+        dw = g.reshape(-1, g.shape[-1]).t() @ flat.reshape(-1, flat.shape[-1])
+        dx = rms_norm_input_grad(g @ w.float(), x, ctx.eps)
+        return dx.to(x.dtype), dw.to(w.dtype), None
+
+
+def normed_linear(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., K] (any dtype), w [n, K] → [..., n] float32: x normalised by its rms in fp32, then w."""
+    return _NormedLinear.apply(x, w, eps)
+
+
 def hc_mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                    iters: int, hc_eps: float, norm_eps: float):
     """streams [b, s, hc, D], fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3] →
     pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc] (fp32)."""
     b, s = streams.shape[:2]
-    flat = unweighted_rms_norm(streams.reshape(b, s, -1).float(), norm_eps)
-    mixed = F.linear(flat, fn.float())
+    mixed = normed_linear(streams.reshape(b, s, -1), fn, norm_eps)
     pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
