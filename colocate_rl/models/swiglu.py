@@ -14,47 +14,60 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * ffn] (gate | up) → [..., ffn]: silu(gate) * up, as megatron-core's local MLP."""
+def swiglu(x: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """[..., 2 * ffn] (gate | up) → [..., ffn]: silu(gate) * up, as megatron-core's local MLP; with
+    ``limit`` (its activation_func_clamp_value, DeepSeek-V4's swiglu_limit) gate ≤ limit and
+    |up| ≤ limit first."""
     gate, up = x.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
 
 
-def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad [..., ffn], x [..., 2 * ffn] (gate | up) → d/dx of silu(gate) * up, in x's dtype: the
-    closed form through torch's fused SiLU backward (no autograd graph of its own)."""
+def swiglu_backward(grad: torch.Tensor, x: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """grad [..., ffn], x [..., 2 * ffn] (gate | up) → d/dx of swiglu(x, limit), in x's dtype: the
+    closed form through torch's fused SiLU backward (no autograd graph of its own); a clamped
+    element gets no gradient, as through torch's clamp."""
     gate, up = x.chunk(2, dim=-1)
-    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), dim=-1)
+    if limit is None:
+        return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), dim=-1)
+    g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    dgate = torch.ops.aten.silu_backward(grad * u, g) * (gate <= limit)
+    dup = grad * F.silu(g) * ((up >= -limit) & (up <= limit))
+    return torch.cat((dgate, dup), dim=-1)
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, kernel):
+    def forward(ctx, x, kernel, limit):
         ctx.save_for_backward(x)
-        return kernel(x)
+        ctx.limit = limit
+        return kernel(x) if limit is None else kernel(x, limit)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return swiglu_backward(grad, x), None
+        return swiglu_backward(grad, x, ctx.limit), None, None
 
 
 class SwiGLU(torch.nn.Module):
     """[..., 2 * ffn] (gate | up) → [..., ffn] by ``kernel`` (subclasses swap it), its input the
-    only tensor kept for the backward."""
+    only tensor kept for the backward; clamped at the config's activation_func_clamp_value."""
 
     kernel = staticmethod(swiglu)
 
     def __init__(self, config=None, **kwargs):
         super().__init__()
+        self.limit = getattr(config, "activation_func_clamp_value", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SwiGLUFn.apply(x, self.kernel)
+        return _SwiGLUFn.apply(x, self.kernel, self.limit)
 
 
 def with_activation(mlp: functools.partial, module: type) -> functools.partial:

@@ -78,18 +78,21 @@ def test_norm_keeps_only_its_input(make, formula, dtype, tol):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])  # 0.5: DeepSeek-V4's clamp, hit by a third of the elements
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_swiglu_keeps_only_its_input(dtype, tol):
+def test_swiglu_keeps_only_its_input(dtype, tol, limit):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 7, 96, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(4, 7, 48, generator=g).to(dtype)
-    out, kept = saved_bytes(SwiGLU(), x)
+    out, kept = saved_bytes(SwiGLU(types.SimpleNamespace(activation_func_clamp_value=limit)), x)
     assert kept == 0, f"SwiGLU kept {kept} bytes beside its input"
 
     xr = x.detach().clone().requires_grad_()
 
-    def inline(a):  # megatron-core's local MLP (glu_linear_offset 0)
+    def inline(a):  # megatron-core's local MLP (glu_linear_offset 0, activation_func_clamp_value)
         gate, up = torch.chunk(a, 2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
         return F.silu(gate) * (up + 0.0)
 
     ref, ref_kept = saved_bytes(inline, xr)
@@ -98,6 +101,9 @@ def test_swiglu_keeps_only_its_input(dtype, tol):
     out.backward(grad)
     ref.backward(grad)
     assert ((x.grad.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item() < tol
+    if limit is not None:
+        clamped = torch.cat(((x[..., :48] > limit), (x[..., 48:].abs() > limit)), dim=-1)
+        assert clamped.float().mean() > 0.2 and (x.grad[clamped] == 0).all()
 
 
 def test_every_qwen3_mlp_gets_the_swiglu_module():

@@ -78,8 +78,11 @@ def transformer_config(hf: dict, params_dtype: torch.dtype, **runtime):
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
-        # SwiGLU clamp of the released model: gate ≤ limit, |up| ≤ limit (routed and shared experts).
+        # SwiGLU clamp of the released model: gate ≤ limit, |up| ≤ limit (routed and shared experts),
+        # applied by the experts' activation module (model.moe_layer: models/swiglu.SwiGLU), which
+        # megatron-core calls only under use_te_activation_func.
         activation_func_clamp_value=h.swiglu_limit or None,
+        use_te_activation_func=True,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -51,6 +51,7 @@ from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
 from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, normed_linear,
                                                  rope_cos_sin, unweighted_rms_norm)
 from colocate_rl.models.norm import rms_norm_backward
+from colocate_rl.models.swiglu import SwiGLU, with_activation
 
 
 # Queries per attention / indexer block: bounds the score tensors at long context.
@@ -436,7 +437,8 @@ def moe_layer(config, h: Hparams, layer: int):
     router = functools.partial(_router_class(), hash_vocab=h.vocab_size if h.is_hash(layer) else 0)
     sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
                         router=router)
-    moe = MoELayer(config=config, submodules=sub, layer_number=layer + 1)
+    # Every expert's clamped SwiGLU keeps only its input for the backward (models/swiglu.py).
+    moe = with_activation(functools.partial(MoELayer, submodules=sub), SwiGLU)(config=config, layer_number=layer + 1)
     # Routed experts get an optimizer of their own at every layout. Megatron gives them one (its
     # expert-parallel parameters, allreduce=False) whenever EP > 1 or expert TP != TP, so for this
     # model at every layout but TP=1 x EP=1; the optimizer's checkpoint is structured by that
