@@ -13,15 +13,20 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm_input_grad(gxhat: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """gxhat, x [..., h] → [..., h] float32: the gradient at x of xhat = x * rsqrt(mean(x²) + eps)
-    given the gradient at xhat, in closed form (no autograd graph of its own). Means are sums / h:
-    in exact mode's batch-invariant setting ``mean`` is a Triton kernel launched from Python."""
-    h = x.shape[-1]
-    xf, gf = x.float(), gxhat.float()  # x or gxhat themselves when fp32: nothing below writes into them
-    rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
-    xhat = xf * rstd
-    dot = (gf * xhat).sum(-1, keepdim=True).div_(h)
+def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., h] → (xhat [..., h], rstd [..., 1]) float32: xhat = x * rstd, rstd = rsqrt(mean(x²) +
+    eps), what a norm's backward needs, computed once per backward. Means are sums / h: in exact
+    mode's batch-invariant setting ``mean`` is a Triton kernel launched from Python."""
+    xf = x.float()  # x itself when fp32: nothing below writes into it
+    rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps))
+    return xf * rstd, rstd
+
+
+def rms_norm_input_grad(gxhat: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """gxhat [..., h], (xhat, rstd) of rms_stats(x) → [..., h] float32: the gradient at x given the
+    gradient at xhat, in closed form (no autograd graph of its own)."""
+    gf = gxhat.float()
+    dot = (gf * xhat).sum(-1, keepdim=True).div_(xhat.shape[-1])
     return (gf - xhat * dot).mul_(rstd)
 
 
@@ -29,11 +34,9 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """grad, x [..., h], weight [h] → (dx, dweight) of ``weight * x * rsqrt(mean(x²) + eps)`` with the
     weight inside the fp32 product (vLLM's norms, DeepSeek-V4's), in the inputs' dtypes, in closed
     form: a nested ``autograd.grad`` per norm would be host time."""
-    h = x.shape[-1]
-    xf = x.float()
-    xhat = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True).div_(h).add_(eps))
-    dw = (grad.float() * xhat).reshape(-1, h).sum(0)
-    dx = rms_norm_input_grad(grad.float() * weight.float(), x, eps)
+    xhat, rstd = rms_stats(x, eps)
+    dw = (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+    dx = rms_norm_input_grad(grad.float() * weight.float(), xhat, rstd)
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
@@ -55,11 +58,10 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        xf = x.float()
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + ctx.eps)
-        h = (xf * rstd).to(weight.dtype)
+        xhat, rstd = rms_stats(x, ctx.eps)
+        h = xhat.to(weight.dtype)  # the rounded norm the weight multiplied
         dw = (grad.float() * h.float()).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
-        dx = rms_norm_input_grad(grad * weight, x, ctx.eps)  # grad * weight in 16-bit, as autograd's
+        dx = rms_norm_input_grad(grad * weight, xhat, rstd)  # grad * weight in 16-bit, as autograd's
         return dx.to(x.dtype), dw, None
 
 

@@ -80,7 +80,7 @@ def with_activation(mlp: functools.partial, module: type) -> functools.partial:
 
     sub = mlp.keywords["submodules"]
     if hasattr(sub, "experts"):  # MoESubmodules
-        sub = dataclasses.replace(sub, experts=patch(sub.experts),
-                                  shared_experts=sub.shared_experts and patch(sub.shared_experts))
+        shared = None if sub.shared_experts is None else patch(sub.shared_experts)
+        sub = dataclasses.replace(sub, experts=patch(sub.experts), shared_experts=shared)
         return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
     return patch(mlp)

@@ -438,7 +438,8 @@ def moe_layer(config, h: Hparams, layer: int):
     sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
                         router=router)
     # Every expert's clamped SwiGLU keeps only its input for the backward (models/swiglu.py).
-    moe = with_activation(functools.partial(MoELayer, submodules=sub), SwiGLU)(config=config, layer_number=layer + 1)
+    build = with_activation(functools.partial(MoELayer, submodules=sub), SwiGLU)
+    moe = build(config=config, layer_number=layer + 1)
     # Routed experts get an optimizer of their own at every layout. Megatron gives them one (its
     # expert-parallel parameters, allreduce=False) whenever EP > 1 or expert TP != TP, so for this
     # model at every layout but TP=1 x EP=1; the optimizer's checkpoint is structured by that

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from colocate_rl.models.norm import rms_norm_input_grad
+from colocate_rl.models.norm import rms_norm_input_grad, rms_stats
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,10 +56,10 @@ class _NormedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        flat = unweighted_rms_norm(x.float(), ctx.eps)
+        flat, rstd = rms_stats(x, ctx.eps)
         g = grad.float()
         dw = g.reshape(-1, g.shape[-1]).t() @ flat.reshape(-1, flat.shape[-1])
-        dx = rms_norm_input_grad(g @ w.float(), x, ctx.eps)
+        dx = rms_norm_input_grad(g @ w.float(), flat, rstd)
         return dx.to(x.dtype), dw.to(w.dtype), None
 
 
