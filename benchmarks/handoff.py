@@ -85,6 +85,29 @@ class HostMemory:
         return {"used_at_start": self.start, "peak": self.peak, "peak_over_start": self.peak - self.start}
 
 
+def summarize_snapshot(snapshot: dict, top: int = 40) -> str:
+    """Live device bytes of a ``torch.cuda.memory._snapshot()`` grouped by the innermost frame in
+    colocate_rl, megatron or vLLM code (else the innermost frame), largest first: where an OOM's
+    bytes were allocated."""
+    groups: dict[str, list[int]] = {}
+    for seg in snapshot["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f for f in frames if any(k in f["filename"] for k in ("colocate_rl", "megatron", "vllm"))]
+            f = (ours or frames or [{"filename": "?", "line": 0, "name": "(no stack)"}])[0]
+            key = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+            g = groups.setdefault(key, [0, 0])
+            g[0] += block["size"]
+            g[1] += 1
+    total = sum(v[0] for v in groups.values())
+    lines = [f"live {total / GiB:.2f} GiB in {sum(v[1] for v in groups.values())} blocks"]
+    for key, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{size / GiB:8.2f} GiB {n:6d} blocks  {key}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
@@ -120,7 +143,9 @@ def main() -> None:
             f"actor.offload={args.offload}", *args.set]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     if args.memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=1000)  # live blocks keep their stacks regardless
+        # Python frames only: recording C++ stacks of every allocation while vLLM starts took more
+        # host memory than the node had. Live blocks keep their stacks whatever max_entries is.
+        torch.cuda.memory._record_memory_history(max_entries=1000, stacks="python")
     host = HostMemory()  # the node's used memory from here on, against the plan's host part
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)
@@ -178,6 +203,8 @@ def main() -> None:
         diff = (lp - batch.rollout_logprobs).abs()[batch.loss_mask].float()
     except BaseException:
         if args.memory_snapshot:
+            snap = torch.cuda.memory._snapshot()
+            Path(args.memory_snapshot).with_suffix(".txt").write_text(summarize_snapshot(snap))
             torch.cuda.memory._dump_snapshot(args.memory_snapshot)
         raise
     finally:

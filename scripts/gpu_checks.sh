@@ -47,7 +47,7 @@ if run scale; then
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/weight_sync_30b.log" | tail -20
   python3 benchmarks/handoff.py --shape qwen3-8b --prompts 16 --n 8 --tokens 256 --steps 2 --gpu-mem 0.35 \
-    --set actor.optimizer_cpu_offload=true actor.recompute=true --memory-snapshot "$out/handoff_8b_memory.pickle" \
+    --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true --memory-snapshot "$out/handoff_8b_memory.pickle" \
     --out "$out/handoff_8b.json" > "$out/handoff_8b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/handoff_8b.log" | tail -30
 fi
