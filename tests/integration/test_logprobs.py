@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from colocate_rl.trainer import logprobs
 
+from saved import saved_bytes  # tests/
+
 
 def megatron_logprobs(logits, tokens, temperature):
     """What the actor computed before: log_softmax of an fp32 copy through megatron-core."""
@@ -20,18 +22,6 @@ def megatron_logprobs(logits, tokens, temperature):
     x = x / temperature if temperature != 1.0 else (x.clone() if x is logits else x)
     nll = vocab_parallel_cross_entropy(x, F.pad(tokens[:, 1:], (0, 1)))
     return F.pad(-nll[:, :-1], (1, 0))
-
-
-def saved_bytes(fn, *inputs):
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    return out, sum(seen.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

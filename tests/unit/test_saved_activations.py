@@ -12,22 +12,7 @@ import torch.nn.functional as F
 from colocate_rl.models.norm import RMSNorm
 from colocate_rl.models.swiglu import SwiGLU
 
-
-def saved_bytes(fn, *inputs, held=()) -> tuple[torch.Tensor, int]:
-    """fn(*inputs) and the bytes of the distinct storages autograd saved for its backward, the
-    inputs' and ``held``'s (parameters) left out."""
-    held = {t.untyped_storage().data_ptr() for t in (*inputs, *held)}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in held:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    return out, sum(seen.values())
+from saved import saved_bytes  # tests/
 
 
 def hf_order(x, w):  # Qwen3's (HF's): normalise in fp32, round, then scale by the weight
@@ -62,12 +47,12 @@ def test_norm_keeps_only_its_input(make, formula, dtype, tol):
     x = torch.randn(3, 5, 64, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(3, 5, 64, generator=g).to(dtype)
 
-    out, kept = saved_bytes(norm, x, held=[norm.weight])
+    out, kept = saved_bytes(norm, x, held=[x, norm.weight])
     assert kept == 0, f"the norm kept {kept} bytes beside its input and weight"
     # The same formula through autograd.
     w = norm.weight.detach().clone().requires_grad_()
     xr = x.detach().clone().requires_grad_()
-    ref, ref_kept = saved_bytes(formula, xr, w)
+    ref, ref_kept = saved_bytes(formula, xr, w, held=[xr, w])
     assert ref_kept >= x.numel() * x.element_size()  # at least the norm of x (and in 16-bit an fp32 copy of x)
     assert torch.equal(out, ref)  # the same bits forward
 
@@ -84,7 +69,7 @@ def test_swiglu_keeps_only_its_input(dtype, tol, limit):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 7, 96, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(4, 7, 48, generator=g).to(dtype)
-    out, kept = saved_bytes(SwiGLU(types.SimpleNamespace(activation_func_clamp_value=limit)), x)
+    out, kept = saved_bytes(SwiGLU(types.SimpleNamespace(activation_func_clamp_value=limit)), x, held=[x])
     assert kept == 0, f"SwiGLU kept {kept} bytes beside its input"
 
     xr = x.detach().clone().requires_grad_()
@@ -95,7 +80,7 @@ def test_swiglu_keeps_only_its_input(dtype, tol, limit):
             gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
         return F.silu(gate) * (up + 0.0)
 
-    ref, ref_kept = saved_bytes(inline, xr)
+    ref, ref_kept = saved_bytes(inline, xr, held=[xr])
     assert ref_kept >= 2 * grad.numel() * grad.element_size()  # silu(gate) and the offset copy of up
     assert torch.equal(out, ref)
     out.backward(grad)
@@ -134,11 +119,12 @@ def test_mhc_mixing_keeps_only_its_input(dtype, tol):
     x = torch.randn(2, 5, 4 * 32, generator=g).to(dtype).requires_grad_()
     w = (0.1 * torch.randn(24, 4 * 32, generator=g)).requires_grad_()
     grad = torch.randn(2, 5, 24, generator=g)
-    out, kept = saved_bytes(lambda a, b: normed_linear(a, b, 1e-6), x, w)
+    out, kept = saved_bytes(lambda a, b: normed_linear(a, b, 1e-6), x, w, held=[x, w])
     assert kept == 0, f"kept {kept} bytes beside its inputs"
 
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref, ref_kept = saved_bytes(lambda a, b: F.linear(unweighted_rms_norm(a.float(), 1e-6), b.float()), xr, wr)
+    ref, ref_kept = saved_bytes(lambda a, b: F.linear(unweighted_rms_norm(a.float(), 1e-6), b.float()), xr, wr,
+                                held=[xr, wr])
     assert ref_kept >= x.numel() * 4  # the fp32 normalised streams
     assert torch.equal(out, ref)
     out.backward(grad)
