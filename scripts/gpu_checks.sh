@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU machine with vLLM, megatron-core and this project importable: runs the GPU test tier
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
-#   scripts/gpu_checks.sh [OUT_DIR] [tests|bench|exact|scale|trl|disagg|dsv4|all]
-# exact: exact on-policy mode (its GPU tests, the train step's wall vs kernel time, the loop vs the
-# default); scale: the real widths on one card (Qwen3-30B-A3B's first 12 layers through the weight
-# sync, Qwen3-8B through the loop with host Adam and full recompute).
+#   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
+# groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
+# time), exact-loop (the loop with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
+# through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
+# trl, disagg, dsv4. Each group fits one 10-minute command of the lent GPU machine.
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
 mkdir -p "$out"
@@ -17,7 +18,7 @@ mkdir -p "$TMPDIR"
 cd "$root" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
 rc=0
-run() { [ "$what" = all ] || [ "$what" = "$1" ]; }
+run() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 if run tests; then  # one log per file, written as it goes
   for f in tests/gpu/test_*.py; do
     python3 -m pytest -q -rs "$f" > "$out/$(basename "$f" .py).log" 2>&1 || rc=1
@@ -32,20 +33,24 @@ if run bench; then  # the colocated handoff: Qwen3-0.6B shape, then a small Qwen
   done
 fi
 if run exact; then
-  python3 -m pytest -q -rs tests/gpu/test_exact_gpu.py > "$out/test_exact_gpu.log" 2>&1 || rc=1
-  tail -3 "$out/test_exact_gpu.log"
+  python3 -m pytest -q -rsx -s tests/gpu/test_exact_gpu.py > "$out/test_exact_gpu.log" 2>&1 || rc=1
+  grep -E "^T=|passed|failed|xfail|XPASS|Error" "$out/test_exact_gpu.log" | tail -20
   python3 benchmarks/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
   tail -20 "$out/exact_train_step.log"
+fi
+if run exact-loop; then
   for exact in false true; do
     python3 benchmarks/handoff.py --set rollout.exact=$exact --out "$out/handoff_exact_$exact.json" \
       > "$out/handoff_exact_$exact.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/handoff_exact_$exact.log" | tail -20
   done
 fi
-if run scale; then
+if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/weight_sync_30b.log" | tail -20
+fi
+if run loop8b; then
   python3 benchmarks/handoff.py --shape qwen3-8b --prompts 16 --n 8 --tokens 256 --steps 2 --gpu-mem 0.35 \
     --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true --memory-snapshot "$out/handoff_8b_memory.pickle" \
     --out "$out/handoff_8b.json" > "$out/handoff_8b.log" 2>&1 || rc=1
