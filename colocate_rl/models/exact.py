@@ -6,8 +6,8 @@ docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1``: a row's result does not depend on the batch around it), the actor
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
 dtypes. Measured on an H200 with vLLM's V1 model runner (which exact mode starts): the actor's
-logprobs equal those vLLM samples with on every token at T=1; at T=0.9 0.0040 per token is left,
-cause not yet found (docs/performance.md):
+forward equals vLLM's prefill of the same tokens; against the logprobs vLLM samples with, ~0.004
+per token is left on the current code, cause not yet found (docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|
