@@ -139,6 +139,12 @@ class ActorConfig:
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
     # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).
     fp32_residual: bool = False
+    # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
+    # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
+    # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
+    # much as its gap to the engine (benchmarks/results/fp8_parts_cpu.json); not yet measured
+    # against the engine on a GPU.
+    emulate_rollout_fp8: bool = False
     max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
     # Only with algorithm.kl_coef > 0: keep the reference policy on the device for the whole run
     # instead of in host memory (pinned) between its forward passes; same numbers, no copies, and
@@ -632,6 +638,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                           f"needs {lay.actor_gpus} actor ranks: set placement.launcher=auto or ray")
     if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn):
         raise ConfigError("rollout.off_policy and rollout.custom_fn need placement.mode=disaggregated")
+    if cfg.actor.emulate_rollout_fp8 and cfg.rollout.weight_quantization != "fp8":
+        raise ConfigError("actor.emulate_rollout_fp8=true rounds as an FP8 engine does: it needs "
+                          "rollout.weight_quantization=fp8")
     if cfg.rollout.weight_quantization == "fp8" and gpn == 0:
         raise ConfigError("rollout.weight_quantization=fp8 needs GPUs: vLLM's CPU backend runs no FP8 weights")
     if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:

@@ -166,6 +166,9 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         if cfg.rollout.exact and family.exact_layer_spec is None:
             raise ConfigError(f"rollout.exact=true covers Qwen3 dense and MoE models; {family.name} has no exact "
                               "forward (models/exact.py)")
+        if cfg.actor.emulate_rollout_fp8 and family.fp8_emulation is None:
+            raise ConfigError(f"actor.emulate_rollout_fp8=true covers DeepSeek-V4's FP8 engine; {family.name} has "
+                              "no FP8 emulation")
         if cfg.rollout.exact and moe_routing(hf) is not None and lay.tp * lay.ep > 1:
             raise ConfigError(f"rollout.exact=true runs a MoE block on one rank: actor.tp={lay.tp} and "
                               f"actor.ep={lay.ep} must both be 1 (vLLM's fused experts are called whole)")

@@ -5,7 +5,8 @@
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
 # time), exact-loop (the loop with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
 # through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
-# trl, disagg, dsv4. Each group fits one 10-minute command of the lent GPU machine.
+# trl, disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
 mkdir -p "$out"
@@ -66,5 +67,12 @@ fi
 if run dsv4; then  # vLLM's DeepSeek-V4 needs tilelang and a CUDA compiler too (scripts/dsv4_gpu_wheels.sh)
   python3 benchmarks/dsv4_parity_gpu.py "$out/dsv4_parity.json" --kv-cache-dtype fp8 > "$out/dsv4.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/dsv4.log" | tail -40
+fi
+if run dsv4-fp8; then  # the same wheels as dsv4; a cold JIT takes ~7 minutes of the first run
+  VLLM_DEEP_GEMM_WARMUP=skip python3 benchmarks/recipe_runs.py --recipe recipes/dsv4_flash_grpo.py \
+    --base preset=mini-1gpu rollout.enforce_eager=true steps=1 \
+    --run plain="actor.emulate_rollout_fp8=false" --run emulated="actor.emulate_rollout_fp8=true" \
+    --out "$out/dsv4_fp8_emulation.json" > "$out/dsv4_fp8.log" 2>&1 || rc=1
+  grep -vE "INFO|^\(" "$out/dsv4_fp8.log" | tail -30
 fi
 exit $rc

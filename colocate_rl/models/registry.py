@@ -88,6 +88,9 @@ class Family:
     # (hf_config, RolloutConfig) -> raises ValueError naming the field when the rollout engine cannot
     # serve the model with those settings (checked before anything starts)
     check_rollout: Callable[[dict, Any], None] = lambda hf, rollout: None
+    # (this stage's model, hf_config) -> makes its forward round as the family's FP8 rollout engine
+    # does (actor.emulate_rollout_fp8); returns a function that undoes it. None: not offered.
+    fp8_emulation: Optional[Callable[[Any, dict], Callable[[], None]]] = None
 
 
 def load_hf_model(path: str, dtype) -> Any:

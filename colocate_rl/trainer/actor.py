@@ -104,6 +104,8 @@ class Actor:
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, cfg.model.path)
+        if a.emulate_rollout_fp8:
+            self.family.fp8_emulation(module, self.hf_config)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
         self._replay = self._routing_replay(module) if cfg.rollout.routing_replay else None
         # Gradients are zeroed before every backward, so offloading them is freeing them.

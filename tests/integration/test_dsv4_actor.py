@@ -103,3 +103,26 @@ def test_full_recompute_gives_the_same_step(tiny_model):
         m = actor.train_step(batch, lp)
         out.append((m["loss"], m["grad_norm"]))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-6) and out[0][1] == pytest.approx(out[1][1], rel=1e-5)
+
+
+def test_fp8_emulation_rounds_every_fp8_gemm_input_and_cached_key(tiny_model):
+    """actor.emulate_rollout_fp8: the logprobs move (the engine's roundings are in the forward), and a
+    GRPO step trains through them (straight-through)."""
+    path = tiny_model(SHAPE)
+    batch = make_batch()
+    plain = make_actor(path).compute_logprobs(batch)
+    actor = make_actor(path, emulate_rollout_fp8=True)
+    names = [n for n, m in actor.model.module.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    h = actor.hf_config
+    layers = h["num_hidden_layers"]
+    compressed = sum(1 for r in h["compress_ratios"][:layers] if r)
+    indexed = sum(1 for r in h["compress_ratios"][:layers] if r == 4)
+    # Per layer wq_a, wkv, wq_b, wo_b, the shared expert's two linears and the K=V norm; the indexer's
+    # wq_b in C4 layers; the compressor's entries in compressed layers.
+    assert len(names) == 7 * layers + indexed + compressed, names
+    lp = actor.compute_logprobs(batch)
+    gap = (lp - plain)[batch.loss_mask].abs()
+    assert 0 < gap.mean() < 0.5, float(gap.mean())
+    batch.rollout_logprobs = torch.where(batch.loss_mask, lp, 0)
+    m = actor.train_step(batch)
+    assert m["grad_norm"] > 0 and m["update_skipped"] == 0, m

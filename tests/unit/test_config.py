@@ -221,3 +221,12 @@ def test_optimizer_state_on_host_and_its_dtype():
     assert "is not one of float32, bfloat16" in err(["actor.optimizer_cpu_offload=true",
                                                      "actor.optimizer_state_dtype=float16"])
     assert "actor.optimizer_chunk_mb=0 must be >= 1" in err(["actor.optimizer_chunk_mb=0"])
+
+
+def test_fp8_emulation_needs_an_fp8_engine_and_a_family_that_has_one(tmp_path):
+    from colocate_rl.models.tiny import SHAPES
+
+    assert "needs rollout.weight_quantization=fp8" in err(["actor.emulate_rollout_fp8=true"])
+    msg = plan_err(["placement.gpus_per_node=1", "actor.emulate_rollout_fp8=true", "rollout.weight_quantization=fp8"],
+                   SHAPES["qwen3-tiny"], tmp_path)
+    assert "actor.emulate_rollout_fp8=true" in msg and "qwen3 has no FP8 emulation" in msg

@@ -311,6 +311,7 @@ class Attention(MegatronModule):
         self.compressor = Compressor(config, h, self.ratio, h.head_dim, overlap=self.ratio == 4) if self.ratio else None
         self.indexer = Indexer(config, h, self.ratio) if self.ratio == 4 else None
         self.query_chunk = QUERY_CHUNK
+        self.fp8_inputs = False  # round wo_a's input as an FP8 engine does (fp8_emulation.install)
 
     def _compress_cos_sin(self, positions, dtype):
         return rope_cos_sin(self.compress_inv_freq, positions, dtype)
@@ -384,6 +385,10 @@ class Attention(MegatronModule):
         # K = V carries RoPE on its trailing channels: rotate the output back by the query position.
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(b, s, self.groups, -1)
+        if self.fp8_inputs:
+            from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, fp8_rounded
+
+            grouped = fp8_rounded(grouped, GEMM_GROUP)
         w = self.linear_o_down.view(self.groups, h.o_lora_rank, -1)
         grouped = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
         y, _ = self.linear_proj(grouped.transpose(0, 1))  # [s', b, D]
