@@ -19,14 +19,14 @@ layer's bytes per token do not depend on them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform as py_platform
 import tempfile
 from pathlib import Path
 
 import torch
+
+from _cpu_results import add_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,15 +129,7 @@ def main() -> None:
         print(f"  {what}: measured {m:,.0f}, planned {pl:,.0f} (measured / planned {m / pl:.2f})")
     for k, v in run["by_module_bytes_per_token"].items():
         print(f"    {v:>12,.0f} B/token  {k}")
-    out = Path(a.out)
-    result = json.loads(out.read_text()) if out.is_file() else {"benchmark": "activation_census", "runs": {}}
-    result["runs"][" ".join([a.shape, *a.set])] = run
-    result["machine"] = {"device": "cpu", "processor": py_platform.processor() or py_platform.machine(),
-                         "torch": torch.__version__}
-    result["date"] = datetime.date.today().isoformat()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    add_run(a.out, "activation_census", " ".join([a.shape, *a.set]), run)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ Writes benchmarks/results/fp8_parts_cpu.json (or --out).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform as py_platform
 import tempfile
 from pathlib import Path
 
 import torch
+
+from _cpu_results import add_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,19 +107,11 @@ def main() -> None:
               f" | sampled-token expectation mean {r['expected_for_a_sampled_token']['mean']:.4f} "
               f"p50 {r['expected_for_a_sampled_token']['p50']:.4f} p99 {r['expected_for_a_sampled_token']['p99']:.4f}",
               flush=True)
-    out = Path(a.out)
-    result = json.loads(out.read_text()) if out.is_file() else {"benchmark": "fp8_parts_cpu", "runs": {}}
-    result["runs"][" ".join([a.shape, *a.set, f"{a.rows}x{a.seq}"])] = {
-        "shape": a.shape, "config_changes": changes, "rows": a.rows, "seq": a.seq, "dtype": "bfloat16", **runs}
-    result["h200_gap_for_comparison"] = {"file": "dsv4_mini_kv_ablation_h200.json", "what": "train_rollout_logprob_"
-                                         "abs_diff of the mini preset's step 1 (4 layers, R3 on)",
-                                         "mean": 0.0636, "p50": 0.0453, "p99": 0.2548, "max": 0.9115}
-    result["machine"] = {"device": "cpu", "processor": py_platform.processor() or py_platform.machine(),
-                         "torch": torch.__version__}
-    result["date"] = datetime.date.today().isoformat()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    add_run(a.out, "fp8_parts_cpu", " ".join([a.shape, *a.set, f"{a.rows}x{a.seq}"]),
+            {"shape": a.shape, "config_changes": changes, "rows": a.rows, "seq": a.seq, "dtype": "bfloat16", **runs},
+            h200_gap_for_comparison={"file": "dsv4_mini_kv_ablation_h200.json", "what": "train_rollout_logprob_abs_"
+                                     "diff of the mini preset's step 1 (4 layers, R3 on)",
+                                     "mean": 0.0636, "p50": 0.0453, "p99": 0.2548, "max": 0.9115})
 
 
 if __name__ == "__main__":
