@@ -35,7 +35,7 @@ if run bench; then  # the colocated handoff: Qwen3-0.6B shape, then a small Qwen
 fi
 if run exact; then
   python3 -m pytest -q -rsx -s tests/gpu/test_exact_gpu.py > "$out/test_exact_gpu.log" 2>&1 || rc=1
-  grep -E "T=[0-9.]+ (scoring|step)|passed|failed|xfail|XPASS|Error" "$out/test_exact_gpu.log" | tail -20
+  grep -E "T=[0-9.]+ (scoring|step)| vs vLLM| first response|passed|failed|xfail|XPASS|Error" "$out/test_exact_gpu.log" | tail -20
   python3 benchmarks/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
   tail -20 "$out/exact_train_step.log"
 fi

@@ -78,6 +78,8 @@ def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model, tem
         gap = (scored.cpu() - batch.rollout_logprobs)[batch.loss_mask].abs()
         print(f"T={temperature} scoring pass: gap mean {gap.mean():.3g}, max {gap.max():.3g}, "
               f"{int((gap > 0).sum())} of {gap.numel()} tokens differ", flush=True)
+        if temperature == 1.0:  # vLLM's prompt logprobs are the model's own: comparable at T=1 only
+            where_it_differs(batch, scored.cpu(), s.rollout.prefill_logprobs(batch))
         steps = []
         for step in range(3):  # the second and third sample from synced weights
             m = loop.step(s)
@@ -92,6 +94,24 @@ def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model, tem
             assert m["is_weight_max"] == 1.0 and m["is_weight_mean"] == 1.0, m
     finally:
         s.close()
+
+
+def where_it_differs(batch, actor, prefill):
+    """Prints which side the gap is on: the actor against vLLM's prefill of the sampled rows, vLLM's
+    prefill against its own sampler, and how far into a response the sampler first differs."""
+    mask = batch.loss_mask
+    for name, a, b in (("actor vs vLLM prefill", actor, prefill), ("vLLM prefill vs vLLM sampler", prefill,
+                                                                  batch.rollout_logprobs)):
+        d = (a - b)[mask].abs()
+        print(f"  {name}: mean {d.mean():.3g}, max {d.max():.3g}, {int((d > 0).sum())} of {d.numel()} differ",
+              flush=True)
+    first = []
+    for i in range(batch.size):
+        start, n = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        d = (actor[i, start:start + n] - batch.rollout_logprobs[i, start:start + n]).abs()
+        hits = (d > 0).nonzero()
+        first.append(int(hits[0]) if len(hits) else n)
+    print(f"  first response position where the actor differs from the sampler, per row: {first}", flush=True)
 
 
 def test_exact_forward_has_autograds_gradients(tiny_model):
