@@ -48,6 +48,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
+from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, fp8_rounded
 from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, normed_linear,
                                                  rope_cos_sin, unweighted_rms_norm)
 from colocate_rl.models.norm import rms_norm_backward
@@ -386,8 +387,6 @@ class Attention(MegatronModule):
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(b, s, self.groups, -1)
         if self.fp8_inputs:
-            from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, fp8_rounded
-
             grouped = fp8_rounded(grouped, GEMM_GROUP)
         w = self.linear_o_down.view(self.groups, h.o_lora_rank, -1)
         grouped = torch.einsum("bsgi,goi->bsgo", grouped, w).flatten(2)
