@@ -8,7 +8,11 @@ that differ at all:
 - actor vs sampler, both at temperature 1;
 - actor vs vLLM's prefill of the same tokens (temperature 1): the kernels themselves.
 
-    python benchmarks/exact_gap_gpu.py --out benchmarks/results/exact_gap_h200.json
+Then the three at T=1 over batches of other compositions (cases_t1: 1 x 1 up to 64 x 8, seeded or
+not, after a prefix-cache reset): a kernel whose result depends on how many tokens share its launch
+shows up as a gap that moves with the batch (rollout/invariant_norm.py is such a find).
+
+    python benchmarks/exact_gap_gpu.py --out gap.json [--temperature 1.0] [--set rollout.enforce_eager=false]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--out", default="")
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. rollout.enforce_eager=false")
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
     from test_exact_gpu import session_cfg  # the GPU test's session: 32 prompts x 4, 96 tokens
@@ -44,6 +49,10 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = session_cfg(tmp, ensure_model("qwen3-0.6b", tmp / "model", dtype="bfloat16"))
     cfg.rollout.temperature = args.temperature
+    if args.set:
+        from colocate_rl.config import load
+
+        cfg = load(cfg, overrides=args.set)
     s = start_session(cfg)
     result = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                           "vllm": __import__("vllm").__version__}, "temperature": args.temperature}
@@ -73,6 +82,25 @@ def main() -> None:
         prefill = s.rollout.prefill_logprobs(b1)
         result["actor_vs_vllm_prefill_t1"] = gap(lp1, prefill, b1.loss_mask)
         result["sampler_vs_vllm_prefill_t1"] = gap(b1.rollout_logprobs, prefill, b1.loss_mask)
+        # The same measurement at T=1 over batches of other compositions: which of the batch's
+        # size, the samples per prompt, the seeding and the prefix cache's state moves the gap.
+        cases = {"8 prompts x 4 again": dict(prompts=8, n=4, seed=3),
+                 "8 prompts x 4, prefix cache reset first": dict(prompts=8, n=4, seed=3, reset=True),
+                 "64 prompts x 8": dict(prompts=64, n=8, seed=3),
+                 "8 prompts x 1": dict(prompts=8, n=1, seed=3),
+                 "1 prompt x 1": dict(prompts=1, n=1, seed=3),
+                 "8 prompts x 4, unseeded": dict(prompts=8, n=4, seed=None)}
+        result["cases_t1"] = {}
+        for name, c in cases.items():
+            if c.get("reset"):
+                s.rollout.llm.reset_prefix_cache()
+            b = s.rollout.generate(s.train_samples[:c["prompts"]], n=c["n"], seed=c["seed"], temperature=1.0)
+            lp, pre = actor_logprobs(b, 1.0), s.rollout.prefill_logprobs(b)
+            row = {"actor_vs_sampler": gap(lp, b.rollout_logprobs, b.loss_mask),
+                   "actor_vs_prefill": gap(lp, pre, b.loss_mask),
+                   "prefill_vs_sampler": gap(pre, b.rollout_logprobs, b.loss_mask)}
+            result["cases_t1"][name] = row
+            print(name, {k: (v["mean_abs"], round(v["differ_frac"], 3)) for k, v in row.items()}, flush=True)
     finally:
         s.close()
     print(json.dumps(result, indent=2))

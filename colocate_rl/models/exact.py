@@ -5,15 +5,15 @@ kernels (reduction orders of norms, rotary, attention and softmax; fused vs sepa
 docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1``: a row's result does not depend on the batch around it), the actor
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
-dtypes. Measured on an H200 with vLLM's V1 model runner (which exact mode starts): the actor's
-forward equals vLLM's prefill of the same tokens; against the logprobs vLLM samples with, ~0.004
-per token is left on the current code, cause not yet found (docs/performance.md):
+dtypes. One kernel of vLLM's is not batch-invariant: the residual stream's fused add + RMSNorm
+(its block width depends on how many tokens the launch holds); the engine runs the add and the
+Triton row norm instead (rollout/invariant_norm.py), and so does the actor. vLLM's V1 model runner
+(which exact mode starts) then samples with the logprobs the actor computes (docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|
 | linears | Triton persistent matmul (``linear_batch_invariant``) | the same kernel, through ``aten::mm`` (``enable``) |
-| RMSNorm of a fresh tensor (layer 0's input, q/k norms) | ``rms_norm_batch_invariant`` (Triton) | the same |
-| RMSNorm of the residual stream | ``fused_add_rms_norm`` (CUDA) on (block output, residual) | the same kernel on (stream, 0): ``x + 0`` is ``x`` |
+| RMSNorm (every one: layer inputs, q/k, before the MLP, final) | ``rms_norm_batch_invariant`` (Triton), after the residual add where there is one (rollout/invariant_norm.py) | the same kernel, after megatron-core's residual add |
 | rotary | ``_C.rotary_embedding``, its cos/sin cache built on the GPU at load | the same kernel, the cache built by vLLM's class |
 | attention | FlashAttention 3 varlen, ``num_splits=1`` | the same, on unpaged K/V |
 | SiLU-and-mul | ``_C.silu_and_mul`` | the same |
@@ -92,29 +92,23 @@ def layer_spec(config, rope_base: float, max_position: int, pp_rank: Optional[in
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from colocate_rl.models.exact_moe import ExactMoELayer
 
     spec = copy.copy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                                 pp_rank=pp_rank))
-    fresh = ModuleSpec(module=ExactRMSNorm, params={"after_add": False})
-    stream = ModuleSpec(module=ExactRMSNorm, params={"after_add": True})
+    norm = ModuleSpec(module=ExactRMSNorm)
     rope = dict(base=float(rope_base), max_position=int(max_position))
-    first = get_transformer_layer_offset(config, pp_rank=pp_rank) == 0
-    spec.layer_norm = stream  # vLLM's final norm adds the last block's output to the residual
+    spec.layer_norm = norm
     # One spec object may stand for every layer, and megatron-core's own: copy each level changed.
     spec.layer_specs = [copy.copy(layer) for layer in spec.layer_specs]
-    for i, layer in enumerate(spec.layer_specs):
+    for layer in spec.layer_specs:
         sub = layer.submodules = copy.copy(layer.submodules)
-        # vLLM's first layer normalises the embedding alone; every later input norm is fused with
-        # the residual add, and so is the norm before the MLP.
-        sub.input_layernorm = fresh if (first and i == 0) else stream
-        sub.pre_mlp_layernorm = stream
+        sub.input_layernorm = sub.pre_mlp_layernorm = norm
         sub.self_attention = copy.copy(sub.self_attention)
         attn = sub.self_attention.submodules = copy.copy(sub.self_attention.submodules)
         attn.core_attention = ModuleSpec(module=ExactAttention, params=rope)
-        attn.q_layernorm = attn.k_layernorm = fresh
+        attn.q_layernorm = attn.k_layernorm = norm
         # megatron-core gives the MLP as partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...)),
         # a MoE layer as partial(MoELayer, submodules=MoESubmodules(...)).
         mlp = with_activation(sub.mlp, ExactSwiGLU)
@@ -128,38 +122,28 @@ def layer_spec(config, rope_base: float, max_position: int, pp_rank: Optional[in
 
 
 class _NormFn(torch.autograd.Function):
-    """vLLM's kernel forward; autograd of the fp32 formula backward."""
+    """vLLM's Triton row norm forward; the closed-form fp32 backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, after_add):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        if after_add:
-            from vllm import _custom_ops as ops
-
-            out = x.contiguous().clone()  # the kernel writes the normalised x over its input
-            ops.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
-            return out
+    def forward(ctx, x, weight, eps):
         from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
 
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
         return rms_norm_batch_invariant(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        return (*rms_norm_backward(grad, x, weight, ctx.eps), None, None)
+        return (*rms_norm_backward(grad, x, weight, ctx.eps), None)
 
 
 class ExactRMSNorm(RMSNorm):
-    """x [..., hidden] → same shape and dtype, by vLLM's kernel for where the norm sits: after the
-    residual add (``after_add``, the fused CUDA kernel) or on a fresh tensor (the Triton one)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, after_add: bool = False, **kwargs):
-        super().__init__(config, hidden_size, eps)
-        self.after_add = after_add
+    """x [..., hidden] → same shape and dtype, by the kernel vLLM's every RMSNorm runs in exact mode
+    (the Triton row norm; after the residual add where there is one: rollout/invariant_norm.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NormFn.apply(x, self.weight, self.eps, self.after_add)
+        return _NormFn.apply(x, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------- SwiGLU

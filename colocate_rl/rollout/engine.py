@@ -31,6 +31,7 @@ import torch
 
 from colocate_rl.config import Config, cache_dir
 from colocate_rl.models.registry import MoeRouting, moe_routing, read_hf_config
+from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import IpcSender, Message, SyncStats, WeightSyncError
@@ -286,6 +287,7 @@ class RolloutEngine:
             # (vLLM 0.26's default for dense models) takes logprobs with a Triton kernel of its own:
             # a few fp32 ulps on ~2% of tokens at T=1, where V1 gives 0.0 (docs/performance.md).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            invariant_norm.install()  # an in-process engine's model runs here
 
         use_compile_cache(r.compile_cache)
         quantized_checkpoint = _checkpoint_quantized(self.model_path)

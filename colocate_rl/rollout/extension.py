@@ -39,10 +39,15 @@ from typing import Any
 
 import torch
 
+from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.copy_plan import CopyPlan
 from colocate_rl.rollout.reload import LayerwiseSync, vllm_name
 from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
+
+# vLLM imports this module in each worker before it builds the model: exact mode's residual norms
+# (rollout/invariant_norm.py) are in place before the forward is first run or captured.
+invariant_norm.install()
 
 
 def _checkpoint_shapes(model: str, revision: str | None) -> dict[str, tuple[int, ...]]:

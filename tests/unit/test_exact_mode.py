@@ -1,7 +1,9 @@
 """rollout.exact (models/exact.py): where it cannot be exact, the run stops at config time in one line;
-the exact spec puts vLLM's kernel for each norm where vLLM's Qwen3 has it."""
+the exact spec replaces every norm, the attention and the activation by vLLM's kernels; the engine's
+residual norm keeps vLLM's in-place contract."""
 
 import pytest
+import torch
 
 from colocate_rl.config import Config, ConfigError, ModelConfig, load
 
@@ -37,7 +39,7 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     one_line(lambda: cfg(**{"model.dtype": "float32"}), "needs model.dtype=bfloat16 or float16, not float32")
 
 
-def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
+def test_exact_spec_replaces_every_norm_attention_and_activation():
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -46,16 +48,42 @@ def test_exact_spec_puts_each_norm_kernel_where_vllm_has_it():
     config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, use_te_activation_func=True)
     spec = exact.layer_spec(config, 1e6, 4096, pp_rank=0)  # pp_rank: no process group needed
-    after_add = [(layer.submodules.input_layernorm.params["after_add"],
-                  layer.submodules.pre_mlp_layernorm.params["after_add"]) for layer in spec.layer_specs]
-    # vLLM normalises the embedding alone; every later norm is fused with the residual add.
-    assert after_add == [(False, True), (True, True), (True, True)]
-    assert spec.layer_norm.params["after_add"] is True
     attn = spec.layer_specs[1].submodules.self_attention.submodules
+    norms = [spec.layer_norm, attn.q_layernorm, attn.k_layernorm,
+             *(n for layer in spec.layer_specs for n in (layer.submodules.input_layernorm,
+                                                         layer.submodules.pre_mlp_layernorm))]
+    assert len(norms) == 9 and all(n.module is exact.ExactRMSNorm for n in norms)
     assert attn.core_attention.module is exact.ExactAttention and attn.core_attention.params["base"] == 1e6
-    assert not attn.q_layernorm.params["after_add"] and not attn.k_layernorm.params["after_add"]
     assert spec.layer_specs[2].submodules.mlp.keywords["submodules"].activation_func is exact.ExactSwiGLU
     assert exact.model_kwargs({"position_embedding_type": "rope"})["position_embedding_type"] == "none"
+
+
+def test_invariant_residual_norm_keeps_the_fused_kernels_contract():
+    """rollout/invariant_norm.add_rms_norm: residual ← x + residual, x ← norm(residual), in place, as
+    vLLM's fused_add_rms_norm writes them; a row's result is the same alone and among others."""
+    from colocate_rl.rollout.invariant_norm import add_rms_norm
+
+    def norm(x, w, eps):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    w = torch.rand(64, generator=g).to(torch.bfloat16)
+    x0, r0 = x.clone(), r.clone()
+    out, res = add_rms_norm(x, w, 1e-6, r, norm)
+    assert out is x and res is r
+    assert torch.equal(r, x0 + r0) and torch.equal(x, norm(x0 + r0, w, 1e-6))
+    one_x, one_r = x0[2:3].clone(), r0[2:3].clone()
+    add_rms_norm(one_x, w, 1e-6, one_r, norm)
+    assert torch.equal(one_x, x[2:3]) and torch.equal(one_r, r[2:3])
+
+
+def test_invariant_residual_norm_installs_only_in_batch_invariant_mode(monkeypatch):
+    from colocate_rl.rollout import invariant_norm
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(invariant_norm, "_INSTALLED", False)
+    assert invariant_norm.install() is False
 
 
 def test_backward_matmuls_leave_the_invariant_kernel():
