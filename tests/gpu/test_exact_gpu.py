@@ -6,9 +6,9 @@
 - the exact forward's gradients are autograd's (the default model's, within bf16 rounding);
 - the actor's logprobs equal the sampler's on every token of every step, so every IS weight is
   exactly 1: the scoring pass and the training forward, at T=1 and at T=0.9, and for the MoE shape
-  with routing replay. The batch (32
-  sequences) decodes in launches of fewer than 256 tokens and is scored in larger ones: the two
-  sides of vLLM's fused residual norm's block-width switch (rollout/invariant_norm.py).
+  with routing replay. The batch (32 sequences) decodes in launches of fewer than 256 tokens and is
+  scored in larger ones: the two sides of vLLM's fused residual norm's block-width switch
+  (rollout/invariant_norm.py).
 """
 
 from __future__ import annotations
