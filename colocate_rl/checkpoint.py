@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from colocate_rl import config as C
 
@@ -159,6 +160,14 @@ class Loaded:
     state: dict  # trainer state: step, sampler, rng, config
 
 
+def _why(e: BaseException) -> str:
+    """One line for a failed write: a CheckpointException's first rank's own error, not the wrapper."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class CheckpointStore:
     """The checkpoints of one run under ``root``: save (atomic), keep the last ``keep``, load the
     newest intact one. ``log`` receives one line per notable event (fallbacks, failed saves)."""
@@ -191,11 +200,13 @@ class CheckpointStore:
                 shutil.rmtree(final)
             tmp.rename(final)
             _fsync(self.root)
-        except Exception as e:  # noqa: BLE001 - any failure to write leaves the previous checkpoints intact
+        # torch's distributed checkpoint (megatron-core's writer) reports a failed write, a full disk
+        # included, as CheckpointException, a BaseException: it ended the run instead of this line.
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous checkpoints stay intact
             shutil.rmtree(tmp, ignore_errors=True)
             kept = self.complete()
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            self.log(f"checkpoint at step {step} NOT written ({why}); "
+            free = shutil.disk_usage(self.root).free / 2**30 if self.root.is_dir() else float("nan")
+            self.log(f"checkpoint at step {step} NOT written ({_why(e)}; {free:.1f} GiB free under {self.root}); "
                      f"{'kept ' + kept[-1].name if kept else 'no earlier checkpoint exists'}")
             return None
         for old in self.complete()[: -self.keep] if self.keep > 0 else []:
