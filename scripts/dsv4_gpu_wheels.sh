@@ -70,6 +70,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "
 cu="$target/nvidia/cu13"
 mkdir -p "$cu/targets" && ln -sfn .. "$cu/targets/x86_64-linux"
 for d in "$cu"/include/cccl/*; do [ -e "$cu/include/$(basename "$d")" ] || ln -s "cccl/$(basename "$d")" "$cu/include/"; done
+# FlashInfer's JIT (vLLM's FP8 block-scale GEMM on SM90) links with -L$CUDA_HOME/lib64 -lcudart: the
+# runtime wheel ships lib/libcudart.so.13 only (without these links that build failed at first use).
+[ -e "$cu/lib64" ] || ln -s lib "$cu/lib64"
+[ -e "$cu/lib/libcudart.so" ] || ln -s libcudart.so.13 "$cu/lib/libcudart.so"
 # The machine's own CUDA wheels (beside torch) hold headers these do not (nvrtc.h, cublasLt.h, which
 # FlashInfer's JIT includes): link each one that is missing.
 for base in $(python3 -c 'import nvidia; print(*nvidia.__path__)'); do
