@@ -3,7 +3,8 @@
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
 #   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
-# time), exact-loop (the loop with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
+# time), exact-loop (the loop with exact mode off and on), exact-curves (the tiny recipe's learning
+# with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
 # through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
 # trl, disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
@@ -38,6 +39,11 @@ if run exact; then
   grep -E "T=[0-9.]+ (scoring|step)| vs vLLM| first response|passed|failed|xfail|XPASS|Error" "$out/test_exact_gpu.log" | tail -20
   python3 benchmarks/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
   tail -20 "$out/exact_train_step.log"
+fi
+if run exact-curves; then  # learning: the tiny recipe with exact mode off and on (bf16, one GPU)
+  python3 benchmarks/recipe_runs.py --recipe recipes/qwen3_grpo.py --base preset=tiny model.dtype=bfloat16 rollout.enforce_eager=true \
+    --run default="rollout.exact=false" --run exact="rollout.exact=true" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
+  tail -4 "$out/exact_curves.log"
 fi
 if run exact-loop; then
   for exact in false true; do

@@ -7,8 +7,8 @@ docs/performance.md has the per-op table). With vLLM in its batch-invariant mode
 reproduces vLLM's forward bit for bit by calling the very kernels vLLM calls, in the same order and
 dtypes. One kernel of vLLM's is not batch-invariant: the residual stream's fused add + RMSNorm
 (its block width depends on how many tokens the launch holds); the engine runs the add and the
-Triton row norm instead (rollout/invariant_norm.py), and so does the actor. vLLM's V1 model runner
-(which exact mode starts) then samples with the logprobs the actor computes (docs/performance.md):
+Triton row norm instead (rollout/invariant_norm.py), and so does the actor. The logprobs are
+taken as the engine's model runner takes them (registry.exact_samples_on_v2; docs/performance.md):
 
 | op | vLLM (Qwen3, batch-invariant, eager) | here |
 |---|---|---|
@@ -19,7 +19,8 @@ Triton row norm instead (rollout/invariant_norm.py), and so does the actor. vLLM
 | SiLU-and-mul | ``_C.silu_and_mul`` | the same |
 | MoE router top-k (Qwen3-MoE) | ``topk_softmax`` (fp32 softmax, renormalised in the kernel) | the same (``fused_topk``, models/exact_moe.py) |
 | MoE experts | Triton fused-MoE GEMMs at one fixed tile config, ``moe_sum`` | the same (``fused_experts``) |
-| logprobs | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
+| logprobs, V2 runner (dense models) | temperature kernel on the bf16 logits, then ``compute_token_logprobs`` | the same kernels |
+| logprobs, V1 runner (MoE models, R3) | ``log_softmax`` of fp32 logits / temperature (a tensor) | the same |
 
 Backward passes need not be batch-invariant, so they take the cheapest correct route: the closed
 form in fp32 for the norms and SwiGLU (no nested autograd graph: exact mode's train step is bound by
@@ -274,14 +275,63 @@ class ExactAttention(torch.nn.Module):
 # ---------------------------------------------------------------- logprobs
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
+                   v2: bool) -> torch.Tensor:
     """logits [b, t, V/tp] → [b, t] float32 (out[:, 0] = 0), as vLLM's sampler computes its processed
-    logprobs: fp32 logits over the whole vocabulary divided by a temperature *tensor* (a Python
-    scalar would become a multiplication by its reciprocal), then log_softmax."""
+    logprobs. ``v2`` (registry.exact_samples_on_v2): the logits in their own dtype, divided by the temperature
+    in place by V2's temperature kernel (fp32 division, stored back in that dtype), then V2's
+    log-softmax kernel, which reads the sampled token's logit and reduces each row in blocks of
+    1,024. V1: fp32 logits divided by a temperature *tensor* (a Python scalar would become a
+    multiplication by its reciprocal), then log_softmax."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    x = gather_from_tensor_model_parallel_region(logits).float()
+    x = gather_from_tensor_model_parallel_region(logits)
+    if v2:
+        b, t, vocab = x.shape
+        nxt = F.pad(tokens[:, 1:], (0, 1))  # each position's next token; the last row's is a dummy
+        lp = _V2LogprobFn.apply(x.reshape(b * t, vocab), nxt.reshape(-1), temperature).view(b, t)
+        return F.pad(lp[:, :-1], (1, 0))
+    x = x.float()
     if temperature != 1.0:
         x = x / torch.full((1,), temperature, dtype=torch.float32, device=x.device)
     lp = x.log_softmax(dim=-1, dtype=torch.float32)
     return F.pad(lp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
+
+
+class _V2LogprobFn(torch.autograd.Function):
+    """logits [n, V], ids [n] → [n] float32: V2's kernels forward; the softmax backward in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, ids, temperature):
+        from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        scaled = x
+        if temperature != 1.0:  # the kernel writes in place; x belongs to autograd
+            scaled = x.clone()
+            row_to_request = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+            apply_temperature(scaled, row_to_request, torch.full((1,), temperature, dtype=torch.float32,
+                                                                 device=x.device))
+        ctx.save_for_backward(scaled, ids)
+        ctx.temperature = temperature
+        return compute_token_logprobs(scaled, ids[:, None]).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scaled, ids = ctx.saved_tensors
+        return logprob_backward(scaled, ids, grad, ctx.temperature), None, None
+
+
+def logprob_backward(scaled: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, temperature: float,
+                     chunk_elements: int = 1 << 26) -> torch.Tensor:
+    """Gradient of log softmax(scaled)[ids] with respect to the unscaled logits (scaled = x / T):
+    (onehot(ids) - softmax(scaled)) * grad / T. scaled [n, V], ids [n], grad [n] float32 → [n, V]
+    in scaled's dtype; in row chunks of at most ``chunk_elements`` fp32 temporaries."""
+    out = torch.empty_like(scaled)
+    step = max(1, chunk_elements // scaled.shape[1])
+    for i in range(0, scaled.shape[0], step):
+        g = grad[i:i + step, None].float() / temperature
+        d = scaled[i:i + step].float().softmax(-1).mul_(-g)
+        d.scatter_add_(1, ids[i:i + step, None], g)
+        out[i:i + step] = d
+    return out

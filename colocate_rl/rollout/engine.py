@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from colocate_rl.config import Config, cache_dir
-from colocate_rl.models.registry import MoeRouting, moe_routing, read_hf_config
+from colocate_rl.models.registry import MoeRouting, exact_samples_on_v2, moe_routing, read_hf_config
 from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
@@ -282,11 +282,11 @@ class RolloutEngine:
         if r.exact:
             # Batch-invariant kernels (the engine's workers read the variable at start).
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
-            # vLLM's V1 model runner, whose sampler turns the logits to fp32, divides them by the
-            # temperature tensor and takes log_softmax, as exact.token_logprobs does. The V2 runner
-            # (vLLM 0.26's default for dense models) takes logprobs with a Triton kernel of its own:
-            # a few fp32 ulps on ~2% of tokens at T=1, where V1 gives 0.0 (docs/performance.md).
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # The two model runners take logprobs with different kernels (a few fp32 ulps apart on
+            # ~2% of tokens): named here, not left to vLLM's default, so that the actor knows which
+            # to reproduce (exact.token_logprobs).
+            v2 = exact_samples_on_v2(read_hf_config(self.model_path), r.routing_replay)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
             invariant_norm.install()  # an in-process engine's model runs here
 
         use_compile_cache(r.compile_cache)

@@ -38,7 +38,7 @@ from colocate_rl.config import Config
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
-from colocate_rl.models.registry import family_for, read_hf_config
+from colocate_rl.models.registry import exact_samples_on_v2, family_for, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.census import SavedTensorCensus
@@ -78,6 +78,7 @@ class Actor:
             exact.enable()
         self.hf_config = read_hf_config(cfg.model.path)
         self.family = family_for(self.hf_config)
+        self._exact_v2 = exact_samples_on_v2(self.hf_config, cfg.rollout.routing_replay)
         self.dtype = DTYPES[cfg.model.dtype]
         # The layout was validated with the run's plan (colocate_rl.plan) before any process started.
         self.rank, world = init_process_group()
@@ -198,7 +199,7 @@ class Actor:
         """[b, t] logprobs from this rank's logits (trainer/logprobs.py), or as vLLM's sampler computes
         them in exact mode."""
         if self.exact:
-            return exact.token_logprobs(logits, tokens, temperature)
+            return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
         return token_logprobs(logits, tokens, temperature)
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:

@@ -128,7 +128,7 @@ def test_exact_forward_has_autograds_gradients(tiny_model):
         tokens, mask = batch.tokens.cuda(), batch.loss_mask.cuda()
         positions = torch.arange(tokens.shape[1], device="cuda")[None].expand_as(tokens)
         logits = module(tokens, positions, None)
-        lp = exact.token_logprobs(logits, tokens)
+        lp = exact.token_logprobs(logits, tokens, v2=True)
         (-(lp * mask).sum() / mask.sum()).backward()
         out = {n: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).float().clone()
                for n, p in module.named_parameters()}

@@ -186,3 +186,34 @@ def test_rotary_backward_is_the_kernel_by_minus_the_angle():
     want = torch.autograd.grad((neox(q), neox(k)), (q, k), (gq, gk))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_v2_logprob_backward_is_autograds():
+    """The V2 sampler's logprobs (forward: vLLM's Triton kernels, GPU only) take their gradient in
+    closed form, in row chunks: autograd's gradient of log_softmax(x / T)[id] with respect to x, for
+    every chunking and at T=1 and T=0.7."""
+    from colocate_rl.models.exact import logprob_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 50, generator=g)
+    ids = torch.randint(0, 50, (9,), generator=g)
+    grad = torch.randn(9, generator=g)
+    for temperature in (1.0, 0.7):
+        xr = x.clone().requires_grad_()
+        lp = (xr / temperature).log_softmax(-1).gather(1, ids[:, None]).squeeze(1)
+        (want,) = torch.autograd.grad(lp, xr, grad)
+        for chunk in (50, 150, 1 << 20):  # one row, three rows, all rows per chunk
+            got = logprob_backward(x / temperature, ids, grad, temperature, chunk_elements=chunk)
+            assert torch.allclose(got, want, atol=1e-6), (temperature, chunk)
+
+
+def test_exact_logprobs_follow_the_engines_model_runner():
+    """Dense models sample on vLLM's V2 runner; MoE models and R3 on V1 (no routed-experts capture in
+    V2). The engine sets the runner from the same rule the actor reads (rollout/engine.py)."""
+    from colocate_rl.models.registry import exact_samples_on_v2
+
+    dense = {"model_type": "qwen3", "num_hidden_layers": 2}
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}
+    assert exact_samples_on_v2(dense, routing_replay=False)
+    assert not exact_samples_on_v2(dense, routing_replay=True)
+    assert not exact_samples_on_v2(moe, routing_replay=False)
