@@ -5,10 +5,11 @@
   blocks run vLLM's top-k and fused experts;
 - the exact forward's gradients are autograd's (the default model's, within bf16 rounding);
 - the actor's logprobs equal the sampler's on every token of every step, so every IS weight is
-  exactly 1: the scoring pass and the training forward, at T=1 and at T=0.9, and for the MoE shape
-  with routing replay. The batch (32 sequences) decodes in launches of fewer than 256 tokens and is
-  scored in larger ones: the two sides of vLLM's fused residual norm's block-width switch
-  (rollout/invariant_norm.py).
+  exactly 1: the scoring pass and the training forward, at T=1 and at T=0.9, for the MoE shape
+  with routing replay, and at TP=2 on two GPUs. The batch (32 sequences) decodes in launches of
+  fewer than 256 tokens and is scored in larger ones: the two sides of vLLM's fused residual norm's
+  block-width switch (rollout/invariant_norm.py). Dense models sample on vLLM's V2 model runner,
+  the MoE shape with R3 on V1: each with its own logprob kernels.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from gpu_runs import run_cfg  # noqa: E402 - same folder
 SHAPE = "qwen3-0.6b"  # head_dim 128: a FlashAttention 3 size
 
 
-def session_cfg(tmp_path, model):
+def session_cfg(tmp_path, model, **over: str):
     return run_cfg("qwen3_grpo", tmp_path, model, **{
         "logging.run_name": "exact", "data.prompts_per_step": "32", "rollout.max_response_tokens": "96",
         "rollout.temperature": "0.9", "rollout.kv_cache_memory_mb": "4096", "rollout.exact": "true",
-        "actor.micro_batch_size": "8", "actor.lr": "1e-5"})
+        "actor.micro_batch_size": "8", "actor.lr": "1e-5", **over})
 
 
 @pytest.mark.parametrize("shape", [SHAPE, "qwen3-moe-small"])
@@ -88,6 +89,29 @@ def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model, sha
                   f"IS weight max {m['is_weight_max']:.9g}", flush=True)
         assert gap.numel() > 100 and float(gap.max()) == 0.0, float(gap.max())
         for step, m in enumerate(steps):
+            assert m["sync/bytes"] > 0 and m["update_skipped"] == 0 and m["rollout/response_len"] > 8, m
+            assert m["train_rollout_logprob_abs_diff"] == 0.0, (step, m["train_rollout_logprob_abs_diff"])
+            assert m["is_weight_max"] == 1.0 and m["is_weight_mean"] == 1.0, m
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs on one host")
+def test_exact_at_tp2_on_two_gpus(tmp_path, tiny_model):
+    """The actor at TP=2 (two Ray ranks) and vLLM at TP=2 on the same two cards: each row-parallel
+    linear sums two partial products, which rounds the same whichever side adds them, so the gap
+    stays 0.0 on every token of every step."""
+    pytest.importorskip("ray", reason="the two actor ranks run as Ray actors")
+    cfg = session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"), **{
+        "actor.tp": "2", "rollout.tensor_parallel_size": "2", "placement.gpus_per_node": "2",
+        "placement.launcher": "ray"})
+    s = start_session(cfg)
+    try:
+        for step in range(3):  # the second and third sample from synced weights
+            m = loop.step(s)
+            s.step = step + 1
+            print(f"TP=2 step {step}: train_rollout_logprob_abs_diff {m['train_rollout_logprob_abs_diff']:.3g}, "
+                  f"IS weight max {m['is_weight_max']:.9g}", flush=True)
             assert m["sync/bytes"] > 0 and m["update_skipped"] == 0 and m["rollout/response_len"] > 8, m
             assert m["train_rollout_logprob_abs_diff"] == 0.0, (step, m["train_rollout_logprob_abs_diff"])
             assert m["is_weight_max"] == 1.0 and m["is_weight_mean"] == 1.0, m
