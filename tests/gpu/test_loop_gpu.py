@@ -1,9 +1,14 @@
 """The colocated loop on GPUs, with the CPU integration assertions: the handoff walks the designed
 cycle, the engine's weights equal the actor's after every sync (CUDA IPC keyed by device UUID),
 trainer/sampler logprobs agree, and the device memory measured at each phase boundary falls
-when a side hands the card over. The last test runs vLLM TP=2 and actor TP=2 on two GPUs."""
+when a side hands the card over. The last two run vLLM TP=2 and actor TP=2 on two GPUs: in-process
+with the tiny model, and as a user's recipe command at the Qwen3-0.6B shape, exit included."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ pytest.importorskip("megatron.core", reason="the loop needs megatron-core")
 
 from colocate_rl import loop
 from colocate_rl.memory import Phase
+from colocate_rl.metrics import read
 from colocate_rl.session import start_session
 
 from gpu_runs import run_cfg  # same folder
@@ -70,3 +76,23 @@ def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
             # sync.verify_every=1: every rank's checksums were compared with the engine's in the sync
     finally:
         s.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs on one host")
+def test_recipe_command_at_a_real_shape_on_two_gpus_runs_and_exits(tmp_path):
+    """The command a user runs on a two-GPU machine, with the engine's defaults (CUDA graphs,
+    gpu_memory_utilization from the config): its steps run and the process exits by itself."""
+    pytest.importorskip("ray", reason="two ranks run as Ray actors")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "recipes/qwen3_grpo.py"), "preset=tiny", "model.synthesize=qwen3-0.6b",
+           f"model.path={tmp_path / 'model'}", "model.dtype=bfloat16", "rollout.kv_cache_memory_mb=0", "actor.tp=2",
+           "rollout.tensor_parallel_size=2", "placement.gpus_per_node=2", "placement.launcher=ray", "steps=4",
+           f"logging.run_dir={tmp_path}", "logging.run_name=tp2", "logging.wandb_mode=disabled", "logging.progress=false"]
+    try:
+        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the run did not exit within 20 minutes; its output ends: {str(e.stdout)[-3000:]}")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    rows = [r for r in read(tmp_path / "tp2" / "metrics.jsonl") if "sync/bytes" in r]  # not the eval-only rows
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+    assert all(r["sync/bytes"] > 0 and r["train_rollout_logprob_abs_diff"] < 0.05 for r in rows), rows
