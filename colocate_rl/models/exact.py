@@ -278,9 +278,9 @@ class ExactAttention(torch.nn.Module):
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
                    v2: bool) -> torch.Tensor:
     """logits [b, t, V/tp] → [b, t] float32 (out[:, 0] = 0), as vLLM's sampler computes its processed
-    logprobs. ``v2`` (registry.exact_samples_on_v2): the logits in their own dtype, divided by the temperature
-    in place by V2's temperature kernel (fp32 division, stored back in that dtype), then V2's
-    log-softmax kernel, which reads the sampled token's logit and reduces each row in blocks of
+    logprobs. ``v2`` (registry.exact_samples_on_v2): the logits in their own dtype, divided by the
+    temperature in place by V2's temperature kernel (fp32 division, stored back in that dtype), then
+    V2's log-softmax kernel, which reads the sampled token's logit and reduces each row in blocks of
     1,024. V1: fp32 logits divided by a temperature *tensor* (a Python scalar would become a
     multiplication by its reciprocal), then log_softmax."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
