@@ -40,10 +40,12 @@ if run exact; then
   python3 benchmarks/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
   tail -20 "$out/exact_train_step.log"
 fi
-if run exact-curves; then  # learning: the tiny recipe with exact mode off and on (bf16, one GPU)
+if run exact-curves; then  # learning: the tiny recipe with exact mode off and on, three seeds each (bf16, one GPU, ~7 min)
+  runs=()
+  for seed in 1 2 3; do runs+=(--run "default_$seed=rollout.exact=false seed=$seed" --run "exact_$seed=rollout.exact=true seed=$seed"); done
   python3 benchmarks/recipe_runs.py --recipe recipes/qwen3_grpo.py --base preset=tiny model.dtype=bfloat16 rollout.enforce_eager=true \
-    --run default="rollout.exact=false" --run exact="rollout.exact=true" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
-  tail -4 "$out/exact_curves.log"
+    "${runs[@]}" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
+  tail -8 "$out/exact_curves.log"
 fi
 if run exact-loop; then
   for exact in false true; do
