@@ -168,6 +168,25 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def space_warning(root: Path, each: int, copies: int) -> Optional[str]:
+    """A line when the disk under ``root`` (or its nearest existing parent) cannot hold ``copies``
+    checkpoints of ``each`` bytes, else None: a full disk otherwise shows only when a checkpoint
+    fails to be written, hours into a run."""
+    where = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if each * copies <= free:
+        return None
+    return (f"warning: checkpoints of ~{each / 2**30:.1f} GiB, {copies} on disk at once (checkpoint.keep, and the "
+            f"one being written), need {each * copies / 2**30:.1f} GiB; {free / 2**30:.1f} GiB are free under "
+            f"{where} (checkpoint.dir)")
+
+
+def copies_on_disk(cfg: C.Config) -> int:
+    """The most checkpoints this run holds at once: the kept ones and the one being written."""
+    saves = (cfg.steps // cfg.checkpoint.every if cfg.checkpoint.every > 0 else 0) + int(cfg.checkpoint.at_end)
+    return min(saves, cfg.checkpoint.keep + 1) if cfg.checkpoint.keep > 0 else saves
+
+
 class CheckpointStore:
     """The checkpoints of one run under ``root``: save (atomic), keep the last ``keep``, load the
     newest intact one. ``log`` receives one line per notable event (fallbacks, failed saves)."""

@@ -299,6 +299,17 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     return plan
 
 
+def checkpoint_bytes(cfg, size) -> int:
+    """Bytes of one checkpoint of the whole run (every rank's shards together): the weights in the
+    model's dtype, Adam's fp32 master weights (unless the model is fp32) and two moments in
+    actor.optimizer_state_dtype, the reference policy's weights with a KL term. ``size``:
+    models.registry.ModelSize."""
+    pb = _DTYPE_BYTES[cfg.model.dtype]
+    moment = 2 if cfg.actor.optimizer_state_dtype == "bfloat16" else 4
+    per_param = pb + (0 if pb == 4 else 4) + 2 * moment + (pb if cfg.algorithm.kl_coef > 0 else 0)
+    return int(size.total * per_param)
+
+
 def plan_error(plan: MemoryPlan, what: str) -> Optional[str]:
     """One line naming the phase that does not fit (None when every phase fits)."""
     phase = plan.overflow()

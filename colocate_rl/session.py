@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from colocate_rl import config as C
-from colocate_rl.checkpoint import CheckpointStore
+from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warning
 from colocate_rl.data import PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
+from colocate_rl.memory import checkpoint_bytes
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
@@ -98,6 +99,8 @@ def start_session(cfg: C.Config) -> Session:
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
+    if plan.size and (line := space_warning(checkpoints, checkpoint_bytes(cfg, plan.size), copies_on_disk(cfg))):
+        _say(line)
     workers = launch(cfg, plan.memory.offload)  # colocated or disaggregated, by placement.mode
     handoff = workers.handoff_class(cfg, workers, plan.memory, measure=workers.device_used)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)

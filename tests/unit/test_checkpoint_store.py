@@ -4,6 +4,7 @@ a real write failure (the file-size limit makes the disk refuse), and the resume
 from __future__ import annotations
 
 import resource
+import shutil
 import signal
 
 import pytest
@@ -118,3 +119,23 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     ck.set_rng_state(s)
     assert torch.equal(torch.rand(3), a)
+
+
+def test_space_warning_when_the_disk_cannot_hold_the_kept_checkpoints(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    folder = tmp_path / "run" / "checkpoints"  # not made yet: the nearest existing parent is measured
+    assert ck.space_warning(folder, each=1 << 20, copies=3) is None
+    line = ck.space_warning(folder, each=free // 2, copies=3)
+    assert line is not None and "\n" not in line and "checkpoint.keep" in line and str(tmp_path) in line, line
+
+
+def test_copies_on_disk_counts_kept_and_in_flight_checkpoints():
+    from colocate_rl.config import Config
+
+    cfg = Config()
+    cfg.steps, cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.at_end = 100, 10, 2, True
+    assert ck.copies_on_disk(cfg) == 3  # two kept while the third is written
+    cfg.checkpoint.keep = 0  # keep all: 10 periodic and the last
+    assert ck.copies_on_disk(cfg) == 11
+    cfg.checkpoint.every, cfg.checkpoint.at_end = 0, False
+    assert ck.copies_on_disk(cfg) == 0
