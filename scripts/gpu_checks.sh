@@ -6,6 +6,7 @@
 # time), exact-loop (the loop with exact mode off and on), exact-curves (the tiny recipe's learning
 # with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
 # through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
+# loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers: 1024-token responses),
 # trl, disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
@@ -65,6 +66,15 @@ if run loop8b; then
     --out "$out/handoff_8b.json" > "$out/handoff_8b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/handoff_8b.log" | tail -30
 fi
+for group in loop8b-1024:qwen3-8b loop30b-1024:qwen3-30b-a3b@12; do  # real widths, 1024-token responses, one GPU
+  shape="${group#*:}"; name="handoff_${shape/@/_}_1024"
+  if run "${group%%:*}"; then
+    python3 benchmarks/handoff.py --shape "$shape" --prompts 16 --n 8 --tokens 1024 --steps 2 --gpu-mem 0.35 --micro 4 \
+      --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true \
+      --out "$out/$name.json" > "$out/$name.log" 2>&1 || rc=1
+    grep -vE "INFO|^\(" "$out/$name.log" | tail -20
+  fi
+done
 if run trl; then  # ours vs TRL's GRPOTrainer (vLLM colocate mode), one GPU
   python3 benchmarks/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/gpu_vs_trl.log" | tail -40
