@@ -291,7 +291,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     weights = {name: t.detach().to("cpu").contiguous().clone() for name, t in actor.export_hf_weights()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    src = Path(cfg.model.path)
+    src = Path(actor.model_path)  # tokenizer and config files of the model trained
     for f in src.iterdir():
         if f.suffix in (".json", ".txt", ".model", ".tiktoken", ".jinja") and "safetensors" not in f.name:
             shutil.copy2(f, out / f.name)

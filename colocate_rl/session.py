@@ -18,6 +18,7 @@ from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warnin
 from colocate_rl.data import PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
+from colocate_rl.models.registry import model_folder, read_hf_config
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
@@ -87,9 +88,10 @@ def start_session(cfg: C.Config) -> Session:
         ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
     from transformers import AutoTokenizer
 
-    check_model_folder(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    check_tokenizer_fits(tokenizer, cfg)
+    folder = model_folder(cfg.model.path)  # a hub id: fetched, or found in the cache, before anything starts
+    check_model_folder(folder)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or folder)
+    check_tokenizer_fits(tokenizer, cfg, read_hf_config(folder))
     train = load_prompts(cfg.data, tokenizer)
     # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
     eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
@@ -117,22 +119,24 @@ def start_session(cfg: C.Config) -> Session:
 
 
 def check_model_folder(path: str) -> None:
-    """A local model folder must hold weights and name its model class (hub ids are resolved by the
-    engines themselves)."""
+    """The model's folder (a hub id's snapshot: registry.model_folder) must hold its config and
+    weights, and name its model class."""
     p = Path(path)
-    if p.is_dir() and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
+    if not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
     config = p / "config.json"
-    if config.is_file() and not json.loads(config.read_text()).get("architectures"):
+    if not config.is_file():
+        raise C.ConfigError(f"model.path={path} has no config.json")
+    if not json.loads(config.read_text()).get("architectures"):
         # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
         # embedding model and failed far from the cause.
         raise C.ConfigError(f"model.path={path}: config.json has no 'architectures' (the model class, "
                             "e.g. [\"Qwen3ForCausalLM\"])")
 
 
-def check_tokenizer_fits(tokenizer, cfg: C.Config) -> None:
+def check_tokenizer_fits(tokenizer, cfg: C.Config, hf_config: dict) -> None:
     """Token ids beyond the model's embedding table would index out of range deep inside vLLM."""
-    vocab = C.model_info(cfg).get("vocab_size")
+    vocab = hf_config.get("vocab_size")
     if vocab and len(tokenizer) > vocab:
         raise C.ConfigError(
             f"tokenizer {cfg.model.tokenizer or cfg.model.path} has {len(tokenizer)} tokens but the model's "

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from colocate_rl.config import ConfigError
+
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
 
@@ -178,6 +180,26 @@ def _load_builtin() -> None:
 def families() -> dict[str, Family]:
     _load_builtin()
     return dict(_FAMILIES)
+
+
+# What a training run reads of a hub model: config, tokenizer, chat template, weights (not .bin/.pt
+# copies of the same weights, nor original/ folders of other formats).
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def model_folder(path: str | Path) -> str:
+    """The model folder on this machine for ``model.path``: the folder itself, or a hub id's snapshot
+    in the Hugging Face cache, downloaded there on first use (with HF_HUB_OFFLINE=1 only the cache is
+    read). Each process resolves it where it runs, so a node whose cache lacks the model fetches it."""
+    if Path(path).is_dir():
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(str(path), allow_patterns=MODEL_FILES)
+    except Exception as e:  # noqa: BLE001 - any failure: not a folder, and not a model the hub gave us
+        raise ConfigError(f"model.path={path} is not a folder, and the Hugging Face hub did not give it "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def read_hf_config(path: str | Path) -> dict:

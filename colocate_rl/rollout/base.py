@@ -15,6 +15,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from colocate_rl.config import Config
+from colocate_rl.models.registry import model_folder
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import Message, SyncStats
 
@@ -79,8 +80,9 @@ def backend_class(name: str) -> type:
 
 
 def make_rollout(cfg: Config, model_path: Optional[str] = None, **kwargs: Any) -> Rollout:
-    """The engine of ``cfg.rollout.backend`` for ``model_path`` (default cfg.model.path)."""
-    return backend_class(cfg.rollout.backend)(cfg, str(model_path or cfg.model.path), **kwargs)
+    """The engine of ``cfg.rollout.backend`` for ``model_path`` (default cfg.model.path; a hub id is
+    resolved to its snapshot on this machine)."""
+    return backend_class(cfg.rollout.backend)(cfg, model_folder(model_path or cfg.model.path), **kwargs)
 
 
 def sampling_seed(cfg: Config, step: int) -> Optional[int]:

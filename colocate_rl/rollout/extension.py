@@ -50,15 +50,10 @@ from colocate_rl.weight_sync.verify import tensor_checksum
 invariant_norm.install()
 
 
-def _checkpoint_shapes(model: str, revision: str | None) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor in the safetensors checkpoint (headers only, no data)."""
+def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor in the safetensors checkpoint (headers only, no data). The
+    engine's model is a folder: make_rollout resolves a hub id to its snapshot."""
     root = Path(model)
-    if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        root = Path(
-            snapshot_download(model, revision=revision, allow_patterns=["*.safetensors"], local_files_only=True)
-        )
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(root.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -80,7 +75,7 @@ class WeightReceiver:
         if st is None:
             mc = self.vllm_config.model_config
             hf = mc.hf_config.get_text_config() if hasattr(mc.hf_config, "get_text_config") else mc.hf_config
-            shapes = _checkpoint_shapes(mc.model, getattr(mc, "revision", None))
+            shapes = _checkpoint_shapes(mc.model)
             tied = bool(getattr(hf, "tie_word_embeddings", False))
             if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
                 shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]

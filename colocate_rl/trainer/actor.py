@@ -38,7 +38,7 @@ from colocate_rl.config import Config
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
-from colocate_rl.models.registry import exact_samples_on_v2, family_for, read_hf_config
+from colocate_rl.models.registry import exact_samples_on_v2, family_for, model_folder, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.census import SavedTensorCensus
@@ -76,7 +76,8 @@ class Actor:
         self.exact = cfg.rollout.exact
         if self.exact:  # before any CUDA matmul of this process
             exact.enable()
-        self.hf_config = read_hf_config(cfg.model.path)
+        self.model_path = model_folder(cfg.model.path)  # a hub id: its snapshot, fetched if absent
+        self.hf_config = read_hf_config(self.model_path)
         self.family = family_for(self.hf_config)
         self._exact_v2 = exact_samples_on_v2(self.hf_config, cfg.rollout.routing_replay)
         self.dtype = DTYPES[cfg.model.dtype]
@@ -104,7 +105,7 @@ class Actor:
         )
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
         self.specs = self.family.params(self.hf_config)
-        load_hf_weights(module, self.specs, cfg.model.path)
+        load_hf_weights(module, self.specs, self.model_path)
         if a.emulate_rollout_fp8:
             self.family.fp8_emulation(module, self.hf_config)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
