@@ -88,8 +88,10 @@ def start_session(cfg: C.Config) -> Session:
         ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
     from transformers import AutoTokenizer
 
-    folder = model_folder(cfg.model.path)  # a hub id: fetched, or found in the cache, before anything starts
-    check_model_folder(folder)
+    # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
+    # actor rank and engine fetches the weights on its own machine.
+    folder = model_folder(cfg.model.path, weights=False)
+    check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or folder)
     check_tokenizer_fits(tokenizer, cfg, read_hf_config(folder))
     train = load_prompts(cfg.data, tokenizer)
@@ -118,11 +120,11 @@ def start_session(cfg: C.Config) -> Session:
     return s
 
 
-def check_model_folder(path: str) -> None:
-    """The model's folder (a hub id's snapshot: registry.model_folder) must hold its config and
-    weights, and name its model class."""
+def check_model_folder(path: str, weights: bool = True) -> None:
+    """The model's folder (a hub id's snapshot: registry.model_folder) must hold its config, name its
+    model class, and hold its weights (``weights``: a local folder, not yet a hub id's)."""
     p = Path(path)
-    if not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
+    if weights and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
     config = p / "config.json"
     if not config.is_file():

@@ -187,16 +187,18 @@ def families() -> dict[str, Family]:
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
 
 
-def model_folder(path: str | Path) -> str:
+def model_folder(path: str | Path, weights: bool = True) -> str:
     """The model folder on this machine for ``model.path``: the folder itself, or a hub id's snapshot
     in the Hugging Face cache, downloaded there on first use (with HF_HUB_OFFLINE=1 only the cache is
-    read). Each process resolves it where it runs, so a node whose cache lacks the model fetches it."""
+    read); without its weights when ``weights`` is False (a driver that reads config and tokenizer
+    only). Each process resolves it where it runs, so a node whose cache lacks the model fetches it."""
     if Path(path).is_dir():
         return str(path)
     from huggingface_hub import snapshot_download
 
+    files = MODEL_FILES if weights else [f for f in MODEL_FILES if f != "*.safetensors"]
     try:
-        return snapshot_download(str(path), allow_patterns=MODEL_FILES)
+        return snapshot_download(str(path), allow_patterns=files)
     except Exception as e:  # noqa: BLE001 - any failure: not a folder, and not a model the hub gave us
         raise ConfigError(f"model.path={path} is not a folder, and the Hugging Face hub did not give it "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
