@@ -165,7 +165,7 @@ def _why(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return C.error_line(e)
 
 
 def space_warning(root: Path, each: int, copies: int) -> Optional[str]:

@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field."""
 
 
+def error_line(e: BaseException) -> str:
+    """``Type: first line of the message``: an error as one line of a log or of another error."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 @dataclass
 class ModelConfig:
     path: str = MISSING  # HF folder (config.json + safetensors) or hub id

@@ -18,7 +18,7 @@ from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warnin
 from colocate_rl.data import PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
-from colocate_rl.models.registry import model_folder, read_hf_config
+from colocate_rl.models.registry import model_folder
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
@@ -91,9 +91,9 @@ def start_session(cfg: C.Config) -> Session:
     # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
     # actor rank and engine fetches the weights on its own machine.
     folder = model_folder(cfg.model.path, weights=False)
-    check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
+    hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or folder)
-    check_tokenizer_fits(tokenizer, cfg, read_hf_config(folder))
+    check_tokenizer_fits(tokenizer, cfg, hf_config)
     train = load_prompts(cfg.data, tokenizer)
     # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
     eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
@@ -120,20 +120,23 @@ def start_session(cfg: C.Config) -> Session:
     return s
 
 
-def check_model_folder(path: str, weights: bool = True) -> None:
+def check_model_folder(path: str, weights: bool = True) -> dict:
     """The model's folder (a hub id's snapshot: registry.model_folder) must hold its config, name its
-    model class, and hold its weights (``weights``: a local folder, not yet a hub id's)."""
+    model class, and hold its weights (``weights``: a local folder, not yet a hub id's). Returns the
+    config."""
     p = Path(path)
     if weights and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
     config = p / "config.json"
     if not config.is_file():
         raise C.ConfigError(f"model.path={path} has no config.json")
-    if not json.loads(config.read_text()).get("architectures"):
+    hf_config = json.loads(config.read_text())
+    if not hf_config.get("architectures"):
         # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
         # embedding model and failed far from the cause.
         raise C.ConfigError(f"model.path={path}: config.json has no 'architectures' (the model class, "
                             "e.g. [\"Qwen3ForCausalLM\"])")
+    return hf_config
 
 
 def check_tokenizer_fits(tokenizer, cfg: C.Config, hf_config: dict) -> None:

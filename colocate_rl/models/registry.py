@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from colocate_rl.config import ConfigError
+from colocate_rl.config import ConfigError, error_line
 
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
@@ -201,7 +201,7 @@ def model_folder(path: str | Path, weights: bool = True) -> str:
         return snapshot_download(str(path), allow_patterns=files)
     except Exception as e:  # noqa: BLE001 - any failure: not a folder, and not a model the hub gave us
         raise ConfigError(f"model.path={path} is not a folder, and the Hugging Face hub did not give it "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                          f"({error_line(e)})") from None
 
 
 def read_hf_config(path: str | Path) -> dict:
