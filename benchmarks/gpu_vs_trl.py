@@ -14,7 +14,9 @@ other; the first step of each is warm-up and not counted.
 
 TRL's step time moved by up to 60% between machines, so one pair says little: ``--pairs 3`` runs
 ours, TRL, ours, TRL, ours, TRL on one machine and reports every pair's ratio, their median and
-their spread.
+their spread. A series too long for one command runs a pair per command: ``--pair K`` runs pair K
+alone into its own folder (under $COLOCATE_RL_CACHE/gpu_vs_trl/<tokens>/), and
+``--summarize <that folder>`` reports every pair found there.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
 
 def settings(args) -> dict:
     """The run's options (what the ours-side child is started with), without the file arguments."""
-    return {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize")}
+    return {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize", "pair")}
 
 
 def machine() -> dict:
@@ -102,17 +104,17 @@ def main() -> None:
     ap.add_argument("--fp32-residual", action="store_true", help="our actor.fp32_residual=true")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
     ap.add_argument("--pairs", type=int, default=1, help="alternating (ours, TRL) runs; the ratio's median and spread")
+    ap.add_argument("--pair", type=int, metavar="K", help="run only pair K of an alternating series (one command each)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--summarize", type=Path, metavar="DIR",
                     help="only rebuild the result from a finished run's ours.json and trl.json in DIR")
     args = ap.parse_args()
     if args.summarize:
-        ours, trl = (json.loads((args.summarize / f).read_text()) for f in ("ours.json", "trl.json"))
-        smi = args.summarize / "gpu.txt"  # scripts/gpu_checks.sh's nvidia-smi record, for runs whose ours.json
-        if "machine" not in ours and smi.is_file():  # predates its machine entry
-            ours["machine"] = {"gpu": smi.read_text().splitlines()[1].split(",")[0]}
-        return write(args, summarize(args, ours, trl))
+        pairs = sorted(args.summarize.glob("pair*/trl.json"), key=lambda f: int(f.parent.name[4:]))
+        if pairs:  # a series run a pair per command
+            return write(args, pairs_summary([summarize_dir(args, f.parent) for f in pairs]))
+        return write(args, summarize_dir(args, args.summarize))
 
     from colocate_rl.models.tiny import ensure_model
 
@@ -120,12 +122,22 @@ def main() -> None:
     path = ensure_model(args.shape, root / "models" / f"{args.shape}-bf16", dtype="bfloat16")
     if args.job:
         return ours_job(args, path, root, args.job)
+    series = root / "gpu_vs_trl" / str(args.tokens)
     results = []
-    for pair in range(args.pairs):
-        work = root / "gpu_vs_trl" / (f"pair{pair}" if args.pairs > 1 else "")
+    for pair in [args.pair] if args.pair is not None else range(args.pairs):
+        work = series / f"pair{pair}" if args.pair is not None or args.pairs > 1 else series
         work.mkdir(parents=True, exist_ok=True)
         results.append(summarize(args, *run_pair(args, path, work)))
-    write(args, results[0] if args.pairs == 1 else pairs_summary(results))
+    write(args, results[0] if len(results) == 1 else pairs_summary(results))
+
+
+def summarize_dir(args, folder: Path) -> dict:
+    """The result rebuilt from a finished pair's ours.json and trl.json."""
+    ours, trl = (json.loads((folder / f).read_text()) for f in ("ours.json", "trl.json"))
+    smi = folder / "gpu.txt"  # scripts/gpu_checks.sh's nvidia-smi record, for runs whose ours.json
+    if "machine" not in ours and smi.is_file():  # predates its machine entry
+        ours["machine"] = {"gpu": smi.read_text().splitlines()[1].split(",")[0]}
+    return summarize(args, ours, trl)
 
 
 def run_pair(args, path: Path, work: Path) -> tuple[dict, dict]:
