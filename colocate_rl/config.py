@@ -29,6 +29,13 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message, or its type's name when the message is empty (a bare
+    ``str(e).splitlines()[0]`` would raise IndexError there and hide the error it reports)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 @dataclass
 class ModelConfig:
     path: str = MISSING  # HF folder (config.json + safetensors) or hub id

@@ -35,7 +35,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colocate_rl import platform
-from colocate_rl.config import Config, cache_dir, layout
+from colocate_rl.config import Config, cache_dir, first_line, layout
 from colocate_rl.handoff import ColocatedHandoff
 from colocate_rl.placement.base import engine_quantization, immediate_buffer
 from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
@@ -244,7 +244,7 @@ def _engine_error(e: BaseException) -> BaseException:
     from colocate_rl.rollout.base import EngineDied
 
     if isinstance(e, ray.exceptions.RayActorError):
-        return EngineDied(f"the engine's Ray actor died: {str(e).splitlines()[0]}")
+        return EngineDied(f"the engine's Ray actor died: {first_line(e)}")
     if isinstance(e, ray.exceptions.RayTaskError):
         if isinstance(e.cause, EngineDied) or "EngineDeadError" in str(e):
             return EngineDied(str(e.cause).splitlines()[0] if str(e.cause) else "vLLM engine died")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from colocate_rl.config import first_line
 from colocate_rl.types import RolloutBatch, Sample
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Pending:
                         r._finished(s)
                     raise exc
                 log.warning("rollout engine %d lost during generation (%s): restarting it, re-issuing %d prompts",
-                            shard.engine, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                            shard.engine, first_line(exc),
                             len(shard.prompts))
                 r.restart(shard.engine)
                 restarts += 1

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from colocate_rl.config import first_line
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
 
@@ -70,7 +71,7 @@ class BroadcastGroup:
         except RuntimeError as e:
             raise BroadcastTimeout(f"{self._who()}: cannot reach the group's store at {spec.master_addr}:"
                                    f"{spec.master_port}, served by {self._name(0)} "
-                                   f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+                                   f"({first_line(e)})") from e
         self._store = store  # rank 0 serves the store: keep it alive as long as the group
         self._marks = dist.PrefixStore(f"colocate_rl-progress/{spec.name}", store)
         self._syncs = 0  # syncs this member has started in this group (every member takes part in each)
@@ -87,7 +88,7 @@ class BroadcastGroup:
             else:
                 raise ValueError(f"weight broadcast group '{spec.name}': backend {spec.backend!r} is not gloo or nccl")
         except RuntimeError as e:
-            raise BroadcastTimeout(f"{self._who()}: could not form the group ({str(e).splitlines()[0]})"
+            raise BroadcastTimeout(f"{self._who()}: could not form the group ({first_line(e)})"
                                    f"{self._silent(-1)}") from e
         if spec.backend == "nccl":
             # NCCL creates its communicator inside the first collective call, blocking the host
@@ -123,7 +124,7 @@ class BroadcastGroup:
                     behind.append(f"{self._name(r)} {where}")
         except (RuntimeError, ValueError) as e:
             return (f"; the group's store, served by {self._name(0)}, does not answer "
-                    f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
+                    f"({first_line(e)})")
         return f"; silent: {', '.join(behind)}" if behind else ""
 
     def _start(self, t: torch.Tensor) -> dist.Work:
@@ -146,8 +147,7 @@ class BroadcastGroup:
                 time.sleep(POLL_S)
             work.wait()
         except RuntimeError as e:  # the backend gave up first (a peer's connection closed, ...)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BroadcastTimeout(f"{self._who()}: {what} failed: {first}{silent()}") from e
+            raise BroadcastTimeout(f"{self._who()}: {what} failed: {first_line(e)}{silent()}") from e
 
     def _sizes(self, header: int, payload: int, what: str, bucket: int) -> tuple[int, int]:
         self._mark(bucket)

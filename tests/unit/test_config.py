@@ -230,3 +230,12 @@ def test_fp8_emulation_needs_an_fp8_engine_and_a_family_that_has_one(tmp_path):
     msg = plan_err(["placement.gpus_per_node=1", "actor.emulate_rollout_fp8=true", "rollout.weight_quantization=fp8"],
                    SHAPES["qwen3-tiny"], tmp_path)
     assert "actor.emulate_rollout_fp8=true" in msg and "qwen3 has no FP8 emulation" in msg
+
+
+def test_an_error_as_one_line_names_it_even_without_a_message():
+    from colocate_rl.config import error_line, first_line
+
+    assert first_line(RuntimeError("store refused\nat tcp.cpp:12")) == "store refused"
+    assert first_line(RuntimeError("  \n")) == "RuntimeError"  # NCCL/gloo errors can be empty
+    assert first_line(TimeoutError()) == "TimeoutError"
+    assert error_line(OSError("disk full\ndetail")) == "OSError: disk full"
