@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--summarize", type=Path, metavar="DIR",
-                    help="only rebuild the result from a finished run's ours.json and trl.json in DIR")
+                    help="only rebuild the result from a finished run's ours.json and trl.json in DIR, "
+                         "or a series' from its pair*/ folders")
     args = ap.parse_args()
     if args.summarize:
         pairs = sorted(args.summarize.glob("pair*/trl.json"), key=lambda f: int(f.parent.name[4:]))

@@ -7,8 +7,9 @@
 # with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
 # through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
 # loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers: 1024-token responses),
-# trl, trl256-pair and trl1024-pair (one more pair of ours vs TRL at 256 or 1024 tokens per command; the
-# series of one lease is summarized after each), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# trl, trl256-pair and trl1024-pair (one more pair of ours vs TRL at 256 or 1024 tokens per command;
+# the series of one lease is summarized after each), disagg, dsv4, dsv4-fp8 (the mini preset's step-1
+# gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
