@@ -38,8 +38,8 @@ def main(results: Path, out: Path) -> None:
     fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for group, runs in groups.items():
         for ax, key, smooth in ((acc_ax, "eval/accuracy", 1), (reward_ax, "reward_mean", SMOOTH)):
-            steps, _ = series(runs[0], key)
-            values = np.stack([series(r, key)[1] for r in runs])
+            per_seed = [series(r, key) for r in runs]
+            steps, values = per_seed[0][0], np.stack([v for _, v in per_seed])
             if smooth > 1:  # running mean along the steps, per seed
                 kernel = np.ones(smooth) / smooth
                 values = np.stack([np.convolve(v, kernel, mode="valid") for v in values])

@@ -23,17 +23,21 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field."""
 
 
+def _message_line(e: BaseException) -> str:
+    """The first line of an error's message, '' when it has none (a bare ``str(e).splitlines()[0]``
+    would raise IndexError there and hide the error it reports)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def error_line(e: BaseException) -> str:
     """``Type: first line of the message``: an error as one line of a log or of another error."""
-    text = str(e)
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    return f"{type(e).__name__}: {_message_line(e)}"
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of an error's message, or its type's name when the message is empty (a bare
-    ``str(e).splitlines()[0]`` would raise IndexError there and hide the error it reports)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """The first line of an error's message, or its type's name when the message is empty."""
+    return _message_line(e) or type(e).__name__
 
 
 @dataclass

@@ -247,7 +247,7 @@ def _engine_error(e: BaseException) -> BaseException:
         return EngineDied(f"the engine's Ray actor died: {first_line(e)}")
     if isinstance(e, ray.exceptions.RayTaskError):
         if isinstance(e.cause, EngineDied) or "EngineDeadError" in str(e):
-            return EngineDied(str(e.cause).splitlines()[0] if str(e.cause) else "vLLM engine died")
+            return EngineDied(first_line(e.cause) if str(e.cause).strip() else "vLLM engine died")
         return e.cause if isinstance(e.cause, Exception) else e
     return e
 
