@@ -13,10 +13,14 @@ cache. Ours: Megatron actor, bf16 params with fp32 main params. TRL: fp32 weight
 other; the first step of each is warm-up and not counted.
 
 TRL's step time moved by up to 60% between machines, so one pair says little: ``--pairs 3`` runs
-ours, TRL, ours, TRL, ours, TRL on one machine and reports every pair's ratio, their median and
-their spread. A series too long for one command runs a pair per command: ``--pair K`` runs pair K
-alone into its own folder (under $COLOCATE_RL_CACHE/gpu_vs_trl/<tokens>/), and
-``--summarize <that folder>`` reports every pair found there.
+a series of alternating pairs on one machine and reports every pair's ratio, their median and
+their spread. Both sides also ran faster late in a lease than early (15-20% from the first pair to
+the third, `gpu_vs_trl_256_pairs_h200.json`), so the order alternates too: ours then TRL, TRL then
+ours, ours then TRL (ABBA), and a drift shared by both sides cancels in the median rather than
+favouring whichever side runs second. A series too long for one command continues over several:
+``--sides N`` runs only the next N runs of this machine's series (under
+$COLOCATE_RL_CACHE/gpu_vs_trl/<tokens>/pairK/, one folder per pair), and reports the pairs finished
+so far; ``--summarize <folder>`` rebuilds the result from a pair's or a series' records.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,15 +67,14 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
             s.step += 1
             print(f"ours step {len(steps) - 1}: {steps[-1]['wall']:.2f}s lp diff {steps[-1]['lp_diff']:.4f}",
                   flush=True)
-        ids = [list(x.prompt_ids) for x in s.train_samples[:8]]
     finally:
         s.close()
-    out.write_text(json.dumps({"steps": steps, "train_ids": ids, "machine": machine(), "settings": settings(args)}))
+    out.write_text(json.dumps({"steps": steps, "machine": machine(), "settings": settings(args)}))
 
 
 def settings(args) -> dict:
     """The run's options (what the ours-side child is started with), without the file arguments."""
-    return {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize", "pair")}
+    return {k: v for k, v in vars(args).items() if k not in ("out", "job", "summarize", "sides")}
 
 
 def machine() -> dict:
@@ -81,15 +85,13 @@ def machine() -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
-def child(cmd: list[str], what: str) -> dict:
+def child(cmd: list[str], what: str) -> None:
     print(f"[{what}] {' '.join(cmd[1:3])} ...", flush=True)
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"{what} failed (exit {proc.returncode})")
-    out = json.loads(Path(cmd[-1]).read_text())
     print(f"[{what}] done in {time.perf_counter() - t:.0f}s", flush=True)
-    return out
 
 
 def main() -> None:
@@ -103,19 +105,21 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--fp32-residual", action="store_true", help="our actor.fp32_residual=true")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
-    ap.add_argument("--pairs", type=int, default=1, help="alternating (ours, TRL) runs; the ratio's median and spread")
-    ap.add_argument("--pair", type=int, metavar="K", help="run only pair K of an alternating series (one command each)")
+    ap.add_argument("--pairs", type=int, default=1, help="a new series of this many alternating pairs (ABBA order)")
+    ap.add_argument("--sides", type=int, metavar="N",
+                    help="continue this machine's series by its next N runs (one side each) instead")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--summarize", type=Path, metavar="DIR",
                     help="only rebuild the result from a finished run's ours.json and trl.json in DIR, "
                          "or a series' from its pair*/ folders")
     args = ap.parse_args()
-    if args.summarize:
-        pairs = sorted(args.summarize.glob("pair*/trl.json"), key=lambda f: int(f.parent.name[4:]))
-        if pairs:  # a series run a pair per command
-            return write(args, pairs_summary([summarize_dir(args, f.parent) for f in pairs]))
-        return write(args, summarize_dir(args, args.summarize))
+    if args.summarize:  # a series' folder holds pair*/ folders, a pair's its two records
+        is_series = any(args.summarize.glob("pair*/"))
+        result = series_result(args, args.summarize) if is_series else summarize_dir(args, args.summarize)
+        if result is None:
+            raise SystemExit(f"no pair of {args.summarize} has finished")
+        return write(args, result)
 
     from colocate_rl.models.tiny import ensure_model
 
@@ -124,12 +128,42 @@ def main() -> None:
     if args.job:
         return ours_job(args, path, root, args.job)
     series = root / "gpu_vs_trl" / str(args.tokens)
-    results = []
-    for pair in [args.pair] if args.pair is not None else range(args.pairs):
-        work = series / f"pair{pair}" if args.pair is not None or args.pairs > 1 else series
+    if args.sides is None:  # a new series
+        shutil.rmtree(series, ignore_errors=True)
+    for _ in range(args.sides if args.sides is not None else 2 * args.pairs):
+        k, side = next_run(series)
+        work = series / f"pair{k}"
         work.mkdir(parents=True, exist_ok=True)
-        results.append(summarize(args, *run_pair(args, path, work)))
-    write(args, results[0] if len(results) == 1 else pairs_summary(results))
+        (run_ours if side == "ours" else run_trl)(args, path, root, work)
+        with open(work / "order", "a") as f:  # which side ran first, for the result
+            f.write(side + "\n")
+    if result := series_result(args, series):
+        return write(args, result)
+    k, side = next_run(series)
+    print(f"no pair of {series} has finished yet; its next run is pair {k}, {side}")
+
+
+def finished_pairs(series: Path) -> list[Path]:
+    """The pair folders of a series that hold both sides' records, in pair order."""
+    return sorted((f.parent for f in series.glob("pair*/trl.json") if (f.parent / "ours.json").is_file()),
+                  key=lambda d: int(d.name[4:]))
+
+
+def next_run(series: Path) -> tuple[int, str]:
+    """(pair, side) of the series' next run in ABBA order: pair 0 ours then TRL, pair 1 TRL then ours,
+    pair 2 ours then TRL, …; a run counts once its record (ours.json, trl.json) is written."""
+    k = 0
+    while True:
+        for side in ("ours", "trl")[:: 1 if k % 2 == 0 else -1]:
+            if not (series / f"pair{k}" / f"{side}.json").is_file():
+                return k, side
+        k += 1
+
+
+def series_result(args, series: Path) -> dict | None:
+    """The finished pairs of a series: one pair's result, several pairs' summary, or None."""
+    results = [summarize_dir(args, d) for d in finished_pairs(series)]
+    return (results[0] if len(results) == 1 else pairs_summary(results)) if results else None
 
 
 def summarize_dir(args, folder: Path) -> dict:
@@ -138,27 +172,36 @@ def summarize_dir(args, folder: Path) -> dict:
     smi = folder / "gpu.txt"  # scripts/gpu_checks.sh's nvidia-smi record, for runs whose ours.json
     if "machine" not in ours and smi.is_file():  # predates its machine entry
         ours["machine"] = {"gpu": smi.read_text().splitlines()[1].split(",")[0]}
-    return summarize(args, ours, trl)
+    order = folder / "order"  # absent in series run before the order alternated: ours ran first
+    return {**summarize(args, ours, trl), "order": order.read_text().split() if order.is_file() else ["ours", "trl"]}
 
 
-def run_pair(args, path: Path, work: Path) -> tuple[dict, dict]:
-    """Ours, then TRL on the prompts ours drew, each in its own process; their records."""
-    from colocate_rl.config import ArithmeticConfig
-    from colocate_rl.data.arithmetic import arithmetic_problems
-
+def run_ours(args, path: Path, root: Path, work: Path) -> None:
+    """Our side of a pair, in its own process, into work/ours.json."""
     argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in settings(args).items()
             if v is not False and k != "pairs"]
-    ours = child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
+    child([sys.executable, str(Path(__file__).resolve()), *argv, "--job", str(work / "ours.json")], "ours")
+
+
+def run_trl(args, path: Path, root: Path, work: Path) -> None:
+    """TRL's side of a pair, in its own process, into work/trl.json: the same prompts, tokenized as
+    our loop tokenizes them (the runner stops if TRL's tokenizer disagrees)."""
+    from colocate_rl.config import ArithmeticConfig, Config, ModelConfig, load
+    from colocate_rl.data.arithmetic import arithmetic_problems
+    from colocate_rl.data.prompts import load_prompts
+    from transformers import AutoTokenizer
+
+    cfg = load(Config(model=ModelConfig(path=str(path))), overrides=our_overrides(args, path, root))
+    ids = [list(x.prompt_ids) for x in list(load_prompts(cfg.data, AutoTokenizer.from_pretrained(path)))[:8]]
     spec = {"model": str(path), "seed": 0, "threads": 8, "n": args.n, "temperature": 1.0, "lr": args.lr,
             "grad_clip": 1.0, "eps_low": 0.2, "eps_high": 0.28, "budget_s": 0, "eval_every_s": 0, "eval": [],
             "eval_max_tokens": 4, "force_length": False, "out_dir": str(work / "trl-trainer"),
-            "train": arithmetic_problems(ArithmeticConfig(), "train"), "train_prompt_ids": ours["train_ids"],
+            "train": arithmetic_problems(ArithmeticConfig(), "train"), "train_prompt_ids": ids,
             "prompts_per_step": args.prompts, "max_tokens": args.tokens, "max_steps": args.steps + 1, "gpu": True,
             "micro_batch": args.micro, "vllm_gpu_memory_utilization": args.gpu_mem,
             "max_model_len": 32 + args.tokens}
     (work / "trl.spec.json").write_text(json.dumps(spec))
-    trl = child([sys.executable, str(RUNNER), str(work / "trl.spec.json"), str(work / "trl.json")], "trl")
-    return ours, trl
+    child([sys.executable, str(RUNNER), str(work / "trl.spec.json"), str(work / "trl.json")], "trl")
 
 
 def pairs_summary(results: list[dict]) -> dict:

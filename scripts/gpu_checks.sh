@@ -7,9 +7,9 @@
 # with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
 # through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
 # loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers: 1024-token responses),
-# trl, trl256-pair and trl1024-pair (one more pair of ours vs TRL at 256 or 1024 tokens per command;
-# the series of one lease is summarized after each), disagg, dsv4, dsv4-fp8 (the mini preset's step-1
-# gap without and with actor.emulate_rollout_fp8).
+# trl, trl256-pair and trl1024-side (the next pair, or the next side of a pair, of ours vs TRL at 256
+# or 1024 tokens: one lease's series in ABBA order, summarized after each command), disagg, dsv4,
+# dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -81,14 +81,13 @@ if run trl; then  # ours vs TRL's GRPOTrainer (vLLM colocate mode), one GPU
   python3 benchmarks/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/gpu_vs_trl.log" | tail -40
 fi
-for group in trl256-pair:256:3 trl1024-pair:1024:2; do  # one more (ours, TRL) pair of a series per command
-  IFS=: read -r name tokens steps <<< "$group"
-  if run "$name"; then  # the series lives in the cache, so the pairs of one lease add up
-    series="$COLOCATE_RL_CACHE/gpu_vs_trl/$tokens"; next=$(ls -d "$series"/pair*/ 2>/dev/null | wc -l)
-    python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --pair "$next" > "$out/gpu_vs_trl_${tokens}_pair$next.log" 2>&1 || rc=1
-    python3 benchmarks/gpu_vs_trl.py --summarize "$series" --out "$out/gpu_vs_trl_${tokens}_pairs.json" > /dev/null || rc=1
-    grep -vE "INFO|^\(" "$out/gpu_vs_trl_${tokens}_pair$next.log" | grep -E "^\[|step" | tail -12
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"
+for group in trl256-pair:256:3:2 trl1024-side:1024:2:1; do  # the next runs of this lease's series
+  IFS=: read -r name tokens steps sides <<< "$group"
+  if run "$name"; then  # the series lives in the cache, so the runs of one lease add up (ABBA order)
+    python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" \
+      --out "$out/gpu_vs_trl_${tokens}_pairs.json" > "$out/gpu_vs_trl_$tokens.log" 2>&1 || rc=1
+    grep -vE "INFO|^\(" "$out/gpu_vs_trl_$tokens.log" | grep -E "^\[|step|no pair" | tail -12
+    [ -f "$out/gpu_vs_trl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"
   fi
 done
 if run disagg; then  # needs two GPUs
