@@ -3,13 +3,14 @@
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
 #   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
-# time), exact-loop (the loop with exact mode off and on), exact-curves (the tiny recipe's learning
-# with exact mode off and on), sync30b (Qwen3-30B-A3B's first 12 layers
-# through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and full recompute),
-# loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers: 1024-token responses),
-# trl, trl256-pair and trl1024-side (the next pair, or the next side of a pair, of ours vs TRL at 256
-# or 1024 tokens: one lease's series in ABBA order, summarized after each command), disagg, dsv4,
-# dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# time), exact-loop (the loop with exact mode off, on), fp32res-loop (the loop with actor.fp32_residual
+# off, on, off), exact-curves (the tiny recipe's learning with exact mode off and on), sync30b
+# (Qwen3-30B-A3B's first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with
+# host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12
+# layers: 1024-token responses), trl, trl256-pair and trl1024-side (the next pair, or the next side
+# of a pair, of ours vs TRL at 256 or 1024 tokens: one lease's series in ABBA order, summarized after
+# each command), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with
+# actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -50,13 +51,17 @@ if run exact-curves; then  # learning: the tiny recipe with exact mode off and o
     "${runs[@]}" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
   tail -8 "$out/exact_curves.log"
 fi
-if run exact-loop; then
-  for exact in false true; do
-    python3 benchmarks/handoff.py --set rollout.exact=$exact --out "$out/handoff_exact_$exact.json" \
-      > "$out/handoff_exact_$exact.log" 2>&1 || rc=1
-    grep -vE "INFO|^\(" "$out/handoff_exact_$exact.log" | tail -20
-  done
-fi
+for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residual:false,true,false; do
+  IFS=: read -r name key values <<< "$group"  # the loop with one setting off and on, one run after another
+  if run "$name"; then
+    i=0
+    for v in ${values//,/ }; do
+      i=$((i + 1)); tag="${name%-loop}_${v}_$i"
+      python3 benchmarks/handoff.py --set "$key=$v" --out "$out/handoff_$tag.json" > "$out/handoff_$tag.log" 2>&1 || rc=1
+      grep -vE "INFO|^\(" "$out/handoff_$tag.log" | tail -20
+    done
+  fi
+done
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
