@@ -154,8 +154,14 @@ class ActorConfig:
     sequence_parallel: bool = False
     # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
     # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
-    # 0.0053) and cost 26% more training time (benchmarks/results/handoff_fp32res_h200.json).
+    # 0.0053; benchmarks/results/handoff_fp32res_h200.json); it adds 1.9% operators to a train step,
+    # all casts (fp32_residual_ops_cpu.json). Its time on the H200 is not yet measured alone.
     fp32_residual: bool = False
+    # The logprobs and their gradient through torch.compile'd kernels that read the 16-bit logits
+    # once per pass and keep the fp32 softmax in registers, instead of fp32 copies by row chunks
+    # (trainer/logprobs.py): ~8 instead of ~74 bytes of memory traffic per logit. Same values
+    # within fp32 rounding; the first step pays the compile.
+    fused_logprobs: bool = False
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
     # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
@@ -621,6 +627,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.exact and cfg.actor.fp32_residual:
         raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
                           "unset actor.fp32_residual")
+    if cfg.rollout.exact and cfg.actor.fused_logprobs:
+        raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: unset actor.fused_logprobs")
     if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")

@@ -3,8 +3,9 @@
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
 #   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
-# time), exact-loop (the loop with exact mode off, on), fp32res-loop (the loop with actor.fp32_residual
-# off, on, off), exact-curves (the tiny recipe's learning with exact mode off and on), sync30b
+# time), exact-loop (the loop with exact mode off, on), fp32res-loop and fused-loop (the loop with
+# actor.fp32_residual, actor.fused_logprobs off, on, off), logprobs (the logprobs' kernels alone,
+# chunked vs fused), exact-curves (the tiny recipe's learning with exact mode off and on), sync30b
 # (Qwen3-30B-A3B's first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with
 # host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12
 # layers: 1024-token responses), trl, trl256-pair and trl1024-side (the next pair, or the next side
@@ -51,7 +52,8 @@ if run exact-curves; then  # learning: the tiny recipe with exact mode off and o
     "${runs[@]}" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
   tail -8 "$out/exact_curves.log"
 fi
-for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residual:false,true,false; do
+for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residual:false,true,false \
+             fused-loop:actor.fused_logprobs:false,true,false; do
   IFS=: read -r name key values <<< "$group"  # the loop with one setting off and on, one run after another
   if run "$name"; then
     i=0
@@ -62,6 +64,10 @@ for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residua
     done
   fi
 done
+if run logprobs; then  # the logprobs' forward + backward, chunked vs fused, one micro-batch's logits
+  python3 benchmarks/logprobs_kernels.py --out "$out/logprobs_kernels.json" > "$out/logprobs_kernels.log" 2>&1 || rc=1
+  grep -E "rows x|Error" "$out/logprobs_kernels.log" | tail -5
+fi
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1

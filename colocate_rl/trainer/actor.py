@@ -201,7 +201,7 @@ class Actor:
         them in exact mode."""
         if self.exact:
             return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
-        return token_logprobs(logits, tokens, temperature)
+        return token_logprobs(logits, tokens, temperature, fused=self.cfg.actor.fused_logprobs)
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:
         if self._offload.offloaded(part):

@@ -1,5 +1,5 @@
 """The actor across two gloo processes gives what one process gives: TP=2 (distributed optimizer),
-TP=2 with sequence parallelism (odd-length micro-batches padded), EP=2 (experts split, data
+TP=2 with sequence parallelism (odd-length micro-batches padded), TP=2 with fused logprobs, EP=2 (experts split, data
 parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs before and after one
 GRPO step, the step's loss and grad norm, and the gathered HF export."""
 
@@ -15,6 +15,7 @@ from batches import grpo_step_view
 LAYOUTS = [
     ("tp2", "qwen3-small", dict(tp=2, distributed_optimizer=True)),
     ("tp2sp", "qwen3-small", dict(tp=2, sequence_parallel=True)),
+    ("tp2fused", "qwen3-small", dict(tp=2, fused_logprobs=True)),  # max and sums all-reduced between kernels
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
     ("pp2", "qwen3-tiny-tied", dict(pp=2)),
 ]

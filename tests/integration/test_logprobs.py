@@ -49,3 +49,24 @@ def test_chunked_logprobs_are_megatrons(world, monkeypatch, dtype, temperature):
     err = ((ours_in.grad.float() - ref_in.grad.float()).norm() / ref_in.grad.float().norm()).item()
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
     assert torch.equal(ours_in.detach(), logits)  # nothing written into the logits
+
+
+@pytest.mark.slow  # the first call compiles (~30 s on 2 cores)
+def test_fused_logprobs_equal_the_chunked_ones(world):
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (3 * torch.randn(3, 50, 1000, generator=g)).to(dtype)
+        tokens = torch.randint(0, 1000, (3, 50), generator=g)
+        grad = torch.randn(3, 50, generator=g)
+        for temperature in (1.0, 0.7):
+            fused_in, chunked_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+            fused = logprobs.token_logprobs(fused_in, tokens, temperature, fused=True)
+            chunked = logprobs.token_logprobs(chunked_in, tokens, temperature)
+            assert fused.dtype == torch.float32 and (fused[:, 0] == 0).all()
+            assert (fused - chunked).abs().max().item() < 1e-5  # fp32 sums in another order
+            fused.backward(grad)
+            chunked.backward(grad)
+            assert fused_in.grad.dtype == dtype
+            err = ((fused_in.grad.float() - chunked_in.grad.float()).norm() / chunked_in.grad.float().norm()).item()
+            assert err < 1e-5, (dtype, temperature, err)
+            assert torch.equal(fused_in.detach(), logits)
