@@ -81,15 +81,17 @@ def main() -> None:
         "benchmark": "logprobs_kernels",
         "machine": {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                     "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
-        "shapes": [one_shape(r, a.vocab, dev, a.repeat) for r in a.rows],
+        "shapes": [],
     }
-    for s in result["shapes"]:
+    for rows in a.rows:  # each shape printed and written as it finishes
+        s = one_shape(rows, a.vocab, dev, a.repeat)
+        result["shapes"].append(s)
         print(f"{s['rows']} rows x {s['vocab']}: chunked {s['seconds']['chunked'] * 1e3:.1f} ms, fused "
               f"{s['seconds']['fused'] * 1e3:.1f} ms ({s['chunked_vs_fused']:.2f}x), one copy {s['copy_s'] * 1e3:.1f} ms "
-              f"({s['copy_GBps']:.0f} GB/s); max |diff| {s['logprob_max_abs_diff']:.2e}, grad {s['grad_rel_diff']:.2e}")
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-
+              f"({s['copy_GBps']:.0f} GB/s); max |diff| {s['logprob_max_abs_diff']:.2e}, grad {s['grad_rel_diff']:.2e}",
+              flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()
