@@ -1,5 +1,5 @@
 """The actor's per-token logprobs, forward and backward, chunked (fp32 copies by row chunks) vs fused
-(actor.fused_logprobs: compiled kernels over the 16-bit logits), in one run, against the device's
+(compiled kernels over the 16-bit logits; actor.logprob_kernel), in one run, against the device's
 own copy bandwidth.
 
     python benchmarks/logprobs_kernels.py --out benchmarks/results/logprobs_kernels_h200.json

@@ -157,11 +157,14 @@ class ActorConfig:
     # 0.0053; benchmarks/results/handoff_fp32res_h200.json); it adds 1.9% operators to a train step,
     # all casts (fp32_residual_ops_cpu.json). Its time on the H200 is not yet measured alone.
     fp32_residual: bool = False
-    # The logprobs and their gradient through torch.compile'd kernels that read the 16-bit logits
-    # once per pass and keep the fp32 softmax in registers, instead of fp32 copies by row chunks
-    # (trainer/logprobs.py): ~8 instead of ~74 bytes of memory traffic per logit. Same values
-    # within fp32 rounding; the first step pays the compile.
-    fused_logprobs: bool = False
+    # How the loss's per-token logprobs and their gradient are computed (trainer/logprobs.py). fused:
+    # three torch.compile'd kernels that read the 16-bit logits once each and keep the fp32 softmax in
+    # registers (~8 bytes of memory traffic per logit); chunked: fp32 copies by row chunks (~74). The
+    # same values within fp32 rounding; on an H200 fused is 4.4x as fast at Qwen3's vocabulary
+    # (benchmarks/results/logprobs_kernels_h200.json) and the first step pays its compile (seconds).
+    # auto: fused on a GPU, chunked on the CPU (where compiling costs more than it saves); exact
+    # mode computes them as vLLM's sampler does, whatever this says.
+    logprob_kernel: str = "auto"
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
     # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
@@ -440,6 +443,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "actor.offload": ("auto", "all", "none"),
+    "actor.logprob_kernel": ("auto", "fused", "chunked"),
     "actor.optimizer_state_dtype": ("float32", "bfloat16"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
@@ -627,8 +631,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.exact and cfg.actor.fp32_residual:
         raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
                           "unset actor.fp32_residual")
-    if cfg.rollout.exact and cfg.actor.fused_logprobs:
-        raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: unset actor.fused_logprobs")
+    if cfg.rollout.exact and cfg.actor.logprob_kernel == "fused":
+        raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: "
+                          "unset actor.logprob_kernel=fused")
     if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")

@@ -3,9 +3,9 @@
 # and the benchmarks, writing logs and results to $1 (default ./gpu-results).
 #   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
-# time), exact-loop (the loop with exact mode off, on), fp32res-loop and fused-loop (the loop with
-# actor.fp32_residual, actor.fused_logprobs off, on, off), logprobs (the logprobs' kernels alone,
-# chunked vs fused), exact-curves (the tiny recipe's learning with exact mode off and on), sync30b
+# time), exact-loop (the loop with exact mode off, on), fp32res-loop (with actor.fp32_residual off,
+# on, off), fused-loop (with actor.logprob_kernel chunked, fused, chunked), logprobs (the logprobs'
+# kernels alone, chunked vs fused), exact-curves (the tiny recipe's learning with exact mode off and on), sync30b
 # (Qwen3-30B-A3B's first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with
 # host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12
 # layers: 1024-token responses), trl, trl256-pair and trl1024-side (the next pair, or the next side
@@ -53,7 +53,7 @@ if run exact-curves; then  # learning: the tiny recipe with exact mode off and o
   tail -8 "$out/exact_curves.log"
 fi
 for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residual:false,true,false \
-             fused-loop:actor.fused_logprobs:false,true,false; do
+             fused-loop:actor.logprob_kernel:chunked,fused,chunked; do
   IFS=: read -r name key values <<< "$group"  # the loop with one setting off and on, one run after another
   if run "$name"; then
     i=0

@@ -90,6 +90,7 @@ class Actor:
         self._ps = ps
         self.dp_rank = ps.get_data_parallel_rank()
         self.device = platform.device()
+        self._fused_logprobs = a.logprob_kernel == "fused" or (a.logprob_kernel == "auto" and self.device.type == "cuda")
 
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if a.recompute else {}
@@ -201,7 +202,7 @@ class Actor:
         them in exact mode."""
         if self.exact:
             return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
-        return token_logprobs(logits, tokens, temperature, fused=self.cfg.actor.fused_logprobs)
+        return token_logprobs(logits, tokens, temperature, fused=self._fused_logprobs)
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:
         if self._offload.offloaded(part):

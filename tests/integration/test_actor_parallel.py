@@ -15,7 +15,7 @@ from batches import grpo_step_view
 LAYOUTS = [
     ("tp2", "qwen3-small", dict(tp=2, distributed_optimizer=True)),
     ("tp2sp", "qwen3-small", dict(tp=2, sequence_parallel=True)),
-    ("tp2fused", "qwen3-small", dict(tp=2, fused_logprobs=True)),  # max and sums all-reduced between kernels
+    ("tp2fused", "qwen3-small", dict(tp=2, logprob_kernel="fused")),  # max and sums all-reduced between kernels
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
     ("pp2", "qwen3-tiny-tied", dict(pp=2)),
 ]
