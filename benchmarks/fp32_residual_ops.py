@@ -82,7 +82,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d")},
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
         "ops_on_vs_off": on["ops"] / off["ops"],
-        "ops_added": dict((collections.Counter(on["ops_by_name"]) - collections.Counter(off["ops_by_name"])).most_common()),
+        "ops_added": dict((collections.Counter(on["ops_by_name"])
+                           - collections.Counter(off["ops_by_name"])).most_common()),
         **runs,
     }
     print(json.dumps({k: v for k, v in result.items() if k not in runs}, indent=1))

@@ -54,7 +54,8 @@ def one_shape(rows: int, vocab: int, dev, repeat: int) -> dict:
         lp.backward(grad)
         return lp.detach(), x.grad
 
-    seconds = {name: timed(lambda f=fused: run(f), dev, repeat) for name, fused in (("chunked", False), ("fused", True))}
+    seconds = {name: timed(lambda f=fused: run(f), dev, repeat)
+               for name, fused in (("chunked", False), ("fused", True))}
     copy_s = timed(lambda: logits.clone(), dev, repeat)
     (lp_c, g_c), (lp_f, g_f) = run(False), run(True)
     nbytes = logits.numel() * logits.element_size()
@@ -86,10 +87,10 @@ def main() -> None:
     for rows in a.rows:  # each shape printed and written as it finishes
         s = one_shape(rows, a.vocab, dev, a.repeat)
         result["shapes"].append(s)
-        print(f"{s['rows']} rows x {s['vocab']}: chunked {s['seconds']['chunked'] * 1e3:.1f} ms, fused "
-              f"{s['seconds']['fused'] * 1e3:.1f} ms ({s['chunked_vs_fused']:.2f}x), one copy {s['copy_s'] * 1e3:.1f} ms "
-              f"({s['copy_GBps']:.0f} GB/s); max |diff| {s['logprob_max_abs_diff']:.2e}, grad {s['grad_rel_diff']:.2e}",
-              flush=True)
+        sec = s["seconds"]
+        print(f"{s['rows']} rows x {s['vocab']}: chunked {sec['chunked'] * 1e3:.1f} ms, fused {sec['fused'] * 1e3:.1f} "
+              f"ms ({s['chunked_vs_fused']:.2f}x), one copy {s['copy_s'] * 1e3:.1f} ms ({s['copy_GBps']:.0f} GB/s); "
+              f"max |diff| {s['logprob_max_abs_diff']:.2e}, grad {s['grad_rel_diff']:.2e}", flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 

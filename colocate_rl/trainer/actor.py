@@ -90,7 +90,8 @@ class Actor:
         self._ps = ps
         self.dp_rank = ps.get_data_parallel_rank()
         self.device = platform.device()
-        self._fused_logprobs = a.logprob_kernel == "fused" or (a.logprob_kernel == "auto" and self.device.type == "cuda")
+        kernel = a.logprob_kernel  # auto: fused where torch.compile writes GPU kernels (trainer/logprobs.py)
+        self._fused_logprobs = kernel == "fused" or (kernel == "auto" and self.device.type == "cuda")
 
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if a.recompute else {}

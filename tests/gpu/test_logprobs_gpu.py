@@ -1,6 +1,6 @@
 """The fused logprobs (kernels compiled for the device by torch.compile; actor.logprob_kernel=fused,
-the default on a GPU) against the chunked ones on a GPU, at Qwen3's vocabulary width in bf16: the same logprobs within fp32
-rounding, the same gradient, the logits untouched."""
+the default on a GPU) against the chunked ones on a GPU, at Qwen3's vocabulary width in bf16: the
+same logprobs within fp32 rounding, the same gradient, the logits untouched."""
 
 from __future__ import annotations
 
