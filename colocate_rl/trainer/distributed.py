@@ -69,10 +69,19 @@ def init_model_parallel(tp: int, pp: int, ep: int, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+# What a rank raises when the port run_on_ranks picked was taken before rank 0's store bound it.
+_PORT_TAKEN = "the port picked for this process group was taken before its store bound it"
+
+
 def _worker(local_rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_process_group()
+    try:
+        init_process_group()
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e):
+            raise RuntimeError(f"{_PORT_TAKEN} ({port})") from None
+        raise
     try:
         result = fn(*args)
         if local_rank == 0:
@@ -92,5 +101,13 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args) -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.spawn(_worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
+        for attempt in range(3):
+            try:
+                mp.spawn(_worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
+                break
+            except mp.ProcessRaisedException as e:
+                # The ranks take seconds to start, and another process can bind the free port picked
+                # here meanwhile; nothing of fn has run then, so start again on another port.
+                if _PORT_TAKEN not in str(e) or attempt == 2:
+                    raise
         return torch.load(out, weights_only=False)
