@@ -181,8 +181,8 @@ def machine_info() -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The model shape and batch options build_model and make_batch read (set_defaults changes them)."""
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -193,6 +193,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="sequences per train step")
     p.add_argument("--seq", type=int, default=256, help="padded length; rows are seq/2..seq long")
     p.add_argument("--micro-batch", type=int, default=4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default="")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from actor_step import build_model, make_batch
+from actor_step import add_shape_args, build_model, make_batch
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
          "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
@@ -58,16 +58,8 @@ def measure(path: Path, a, fp32_residual: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--rows", type=int, default=16, help="sequences per train step")
-    p.add_argument("--seq", type=int, default=128, help="padded length; rows are seq/2..seq long")
-    p.add_argument("--micro-batch", type=int, default=8)
+    add_shape_args(p)
+    p.set_defaults(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=768, vocab=2048, rows=16, seq=128, micro_batch=8)
     p.add_argument("--out", default="")
     a = p.parse_args()
     a.dtype = "bfloat16"

@@ -16,28 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, dev, repeat: int) -> float:
-    fn()  # warm-up (and the fused path's compile)
-    out = []
-    for _ in range(repeat):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from actor_step import timed
 
 
 def one_shape(rows: int, vocab: int, dev, repeat: int) -> dict:
@@ -54,9 +38,9 @@ def one_shape(rows: int, vocab: int, dev, repeat: int) -> dict:
         lp.backward(grad)
         return lp.detach(), x.grad
 
-    seconds = {name: timed(lambda f=fused: run(f), dev, repeat)
+    seconds = {name: timed(lambda f=fused: run(f), repeat)
                for name, fused in (("chunked", False), ("fused", True))}
-    copy_s = timed(lambda: logits.clone(), dev, repeat)
+    copy_s = timed(lambda: logits.clone(), repeat)
     (lp_c, g_c), (lp_f, g_f) = run(False), run(True)
     nbytes = logits.numel() * logits.element_size()
     return {
@@ -93,6 +77,7 @@ def main() -> None:
               f"max |diff| {s['logprob_max_abs_diff']:.2e}, grad {s['grad_rel_diff']:.2e}", flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()
