@@ -1,7 +1,7 @@
 """The actor across two gloo processes gives what one process gives: TP=2 (distributed optimizer),
-TP=2 with sequence parallelism (odd-length micro-batches padded), TP=2 with fused logprobs, EP=2 (experts split, data
-parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs before and after one
-GRPO step, the step's loss and grad norm, and the gathered HF export."""
+TP=2 with sequence parallelism (odd-length micro-batches padded), TP=2 with fused logprobs, EP=2
+(experts split, data parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs
+before and after one GRPO step, the step's loss and grad norm, and the gathered HF export."""
 
 from __future__ import annotations
 
