@@ -79,10 +79,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=288)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="config changes, e.g. vocab_size=32768")
+    p.add_argument("--fp32-residual", choices=("auto", "true", "false"), default="auto",
+                   help="actor.fp32_residual (auto: unset, the project's default)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/activation_census_cpu.json"))
     a = p.parse_args()
 
-    from colocate_rl.config import Config, ModelConfig
+    from colocate_rl.config import Config, ModelConfig, resolve_fp32_residual
     from colocate_rl.memory import activation_bytes
     from colocate_rl.models.registry import model_size
     from colocate_rl.models.tiny import ensure_model, shape_config
@@ -108,28 +110,31 @@ def main() -> None:
         cfg.actor.micro_batch_size = a.rows
         cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens = a.seq // 4, a.seq - a.seq // 4
         cfg.actor.optimizer_cpu_offload = True  # host Adam: no device state for an update the census never runs
+        cfg.actor.fp32_residual = None if a.fp32_residual == "auto" else a.fp32_residual == "true"
         actor = Actor(cfg)
     groups = actor.activation_census(make_batch(a.rows, a.seq, hf["vocab_size"]))
     tokens = a.rows * a.seq
     in_layers = sum(n for k, n in groups.items() if k.startswith("decoder.layers.*"))
     head = sum(n for k, n in groups.items() if not k.startswith("decoder.layers.*"))
-    plan_layer, plan_head = activation_bytes(size, tokens, element_bytes=actor.dtype.itemsize)
+    fp32_residual = resolve_fp32_residual(cfg, size.fp32_residual)
+    plan_layer, plan_head = activation_bytes(size, tokens, element_bytes=actor.dtype.itemsize,
+                                             residual_bytes=4 if fp32_residual else 0)
     plan_layer *= size.activation_factor  # a family's calibration (DeepSeek-V4's), as the plan applies it
     run = {
-        "dtype": a.dtype, "rows": a.rows, "seq": a.seq, "layers": layers, "config_changes": changes,
+        "dtype": a.dtype, "fp32_residual": fp32_residual, "rows": a.rows, "seq": a.seq, "layers": layers, "config_changes": changes,
         "per_layer_bytes_per_token": {"measured": in_layers / layers / tokens, "planned": plan_layer / tokens},
         # The plan's head also holds two chunks of fp32 temporaries (the backward's), left out here.
         "head_bytes_per_token": {"measured": head / tokens,
                                  "planned": (plan_head - 8 * min(CHUNK_ELEMENTS, tokens * hf["vocab_size"])) / tokens},
         "by_module_bytes_per_token": {k: n / tokens for k, n in groups.items()},
     }
-    print(f"{a.shape} {a.dtype}, {a.rows} x {a.seq} tokens")
+    print(f"{a.shape} {a.dtype}{', fp32 residual' if fp32_residual else ''}, {a.rows} x {a.seq} tokens")
     for what in ("per_layer_bytes_per_token", "head_bytes_per_token"):
         m, pl = run[what]["measured"], run[what]["planned"]
         print(f"  {what}: measured {m:,.0f}, planned {pl:,.0f} (measured / planned {m / pl:.2f})")
     for k, v in run["by_module_bytes_per_token"].items():
         print(f"    {v:>12,.0f} B/token  {k}")
-    add_run(a.out, "activation_census", " ".join([a.shape, *a.set]), run)
+    add_run(a.out, "activation_census", " ".join([a.shape, *a.set, *(["fp32_residual"] if fp32_residual else [])]), run)
 
 
 if __name__ == "__main__":

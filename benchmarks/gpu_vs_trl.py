@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up step")
     ap.add_argument("--micro", type=int, default=16, help="completions per forward/backward, both sides")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--fp32-residual", action="store_true", help="our actor.fp32_residual=true")
+    ap.add_argument("--fp32-residual", choices=("auto", "true", "false"), default="auto",
+                    help="our actor.fp32_residual (auto: unset, on for a bf16 actor)")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's share of the card while awake, both sides")
     ap.add_argument("--pairs", type=int, default=1, help="a new series of this many alternating pairs (ABBA order)")
     ap.add_argument("--sides", type=int, metavar="N",

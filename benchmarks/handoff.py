@@ -117,7 +117,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--micro", type=int, default=16, help="sequences per actor forward/backward")
-    ap.add_argument("--fp32-residual", action="store_true", help="actor.fp32_residual=true (bf16 runs)")
+    ap.add_argument("--fp32-residual", choices=("auto", "true", "false"), default="auto",
+                    help="actor.fp32_residual (auto: unset, on for a bf16 actor)")
     ap.add_argument("--offload", default="auto", help="actor.offload: auto (what the memory plan says) | all | none")
     ap.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.exact=true")
     ap.add_argument("--memory-snapshot", default="",

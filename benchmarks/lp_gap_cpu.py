@@ -40,7 +40,7 @@ def job(fp32_residual: bool, steps: int, out: Path) -> None:
     root = Path(os.environ.get("COLOCATE_RL_CACHE", ROOT / ".cache"))
     path = ensure_model("qwen3-deep", root / "models" / "qwen3-deep")
     over = [*loop_overrides(path, root, f"lp_gap_{fp32_residual}", prompts=16, n=4, tokens=48, micro=16, gpus=0,
-                            fp32_residual=fp32_residual), "eval.every=0", "checkpoint.at_end=false"]
+                            fp32_residual=str(fp32_residual).lower()), "eval.every=0", "checkpoint.at_end=false"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
     s = start_session(cfg)
     try:

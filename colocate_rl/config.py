@@ -152,11 +152,15 @@ class ActorConfig:
     # sequence (Megatron's sequence parallelism; needs actor.tp > 1). Megatron's MoE layer trains with
     # tensor parallelism only under it, so DeepSeek-V4 at actor.tp > 1 requires it.
     sequence_parallel: bool = False
-    # bf16: keep the residual stream (embeddings, residual adds, norm inputs) in fp32, as mixed
-    # precision over fp32 weights does. On an H200 it cut the logprob gap to vLLM by 29% (0.0075 →
-    # 0.0053; benchmarks/results/handoff_fp32res_h200.json); it adds 1.9% operators to a train step,
-    # all casts (fp32_residual_ops_cpu.json). Its time on the H200 is not yet measured alone.
-    fp32_residual: bool = False
+    # Keep the residual stream (embeddings, residual adds, norm inputs) in fp32 in a 16-bit actor, as
+    # mixed precision over fp32 weights (TRL's) does; every matrix product stays 16-bit. On an H200
+    # it cut the logprob gap to vLLM by 29% (0.0075 -> 0.0053, TRL's own gap;
+    # handoff_fp32res_loop_h200.json) at a train-phase cost inside the run-to-run spread (4.98 s
+    # between 4.14 and 4.91 s without it, the same lease); it adds 1.9% operators, all casts
+    # (fp32_residual_ops_cpu.json), and 2 bytes per token and hidden unit to each norm's saved
+    # input. Unset (null): on for a bf16/fp16 actor, off in exact mode (vLLM rounds its residual to
+    # the model dtype) and for families whose residual is not one plain stream (deepseek_v4's mHC).
+    fp32_residual: Optional[bool] = None
     # How the loss's per-token logprobs and their gradient are computed (trainer/logprobs.py). fused:
     # three torch.compile'd kernels that read the 16-bit logits once each and keep the fp32 softmax in
     # registers (~8 bytes of memory traffic per logit); chunked: fp32 copies by row chunks (~74). The
@@ -470,6 +474,14 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
+def resolve_fp32_residual(cfg: Config, family_allows: bool = True) -> bool:
+    """actor.fp32_residual resolved: as set, or unset: on for a 16-bit actor outside exact mode
+    whose family keeps one plain residual stream (``family_allows``: models.registry.Family.fp32_residual)."""
+    if cfg.actor.fp32_residual is not None:
+        return cfg.actor.fp32_residual
+    return family_allows and cfg.model.dtype != "float32" and not cfg.rollout.exact
+
+
 def model_info(cfg: Config) -> dict:
     """The HF config.json of cfg.model.path when it is a local folder, else {} (hub ids resolve later)."""
     p = Path(cfg.model.path) / "config.json"
@@ -630,7 +642,7 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                           f"== actor.tp ({cfg.actor.tp}): a sum split over another number of ranks rounds differently")
     if cfg.rollout.exact and cfg.actor.fp32_residual:
         raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
-                          "unset actor.fp32_residual")
+                          "leave actor.fp32_residual unset or false")
     if cfg.rollout.exact and cfg.actor.logprob_kernel == "fused":
         raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: "
                           "unset actor.logprob_kernel=fused")

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from colocate_rl.config import resolve_fp32_residual
+
 GiB = 2**30
 
 
@@ -186,26 +188,28 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
-                     sequence_parallel: bool = False) -> tuple[int, int]:
+                     sequence_parallel: bool = False, residual_bytes: int = 0) -> tuple[int, int]:
     """(one decoder layer, output head + loss): bytes the training forward of ``tokens`` tokens keeps
     for its backward on one tensor-parallel rank, without recompute (``size``: the model's
-    models.registry.ModelSize; ``element_bytes``: the model dtype's).
+    models.registry.ModelSize; ``element_bytes``: the model dtype's; ``residual_bytes``: the
+    residual stream's, 4 under actor.fp32_residual, 0 = the model dtype's).
 
     A standard GPT layer (Qwen3) keeps, per token, in elements of the model dtype: 4·h (the two
-    norms' inputs and outputs), 4·q + 3·kv (q before its norm, q/k/v, rotated q and k, the attention
-    output), then 3·ffn for a dense SwiGLU MLP (fc1's output, fc2's input), or for a routed one
-    h + topk·(h + 4·moe_ffn) (router input, each token's copy per expert, the experts' fc1 output,
-    fc2 input and output). benchmarks/activation_census.py counts what autograd saves and matches
+    norms' inputs, those in the residual stream's dtype, and outputs), 4·q + 3·kv (q before its
+    norm, q/k/v, rotated q and k, the attention output), then 3·ffn for a dense SwiGLU MLP (fc1's
+    output, fc2's input), or for a routed one h + topk·(h + 4·moe_ffn) (router input, each token's
+    copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/activation_census.py counts what autograd saves and matches
     this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE layer (activation_census_cpu.json).
     Tensor parallelism splits all but the 4·h (those too under sequence parallelism). Another
     family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps
     the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype,
     plus two chunks of fp32 temporaries (of at most CHUNK_ELEMENTS each)."""
-    h = size.hidden
+    h, rb = size.hidden, residual_bytes or element_bytes
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \
             (h + size.topk * (h + 4 * size.moe_intermediate) if size.experts else 3 * size.ffn)
-        per_layer = tokens * element_bytes * (4 * h / (tp if sequence_parallel else 1) + split / tp)
+        norms = 2 * h * (rb + element_bytes)  # inputs in the residual's dtype, outputs in the model's
+        per_layer = tokens * (norms / (tp if sequence_parallel else 1) + element_bytes * split / tp)
     else:
         per_layer = 34 * tokens * h / tp
         if size.experts and size.topk:  # routed MLP activations grow with top-k x expert width
@@ -239,11 +243,12 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: on the device for its forward pass
         parts["reference"] = parts["actor_params"]
     # Activations of one micro-batch per pipeline stage in flight; full recompute keeps each layer's
-    # 16-bit input plus one whole layer's activations.
+    # input (the residual stream) plus one whole layer's activations.
     tokens = (cfg.data.max_prompt_tokens + r.max_response_tokens) * a.micro_batch_size
     layers = size.layers / pp
-    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel)
-    act = (layers * pb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
+    rb = 4 if resolve_fp32_residual(cfg, size.fp32_residual) else pb
+    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb)
+    act = (layers * rb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
     # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch) when
     # the actor kept 84.4 kB per token and layer and 616 kB for the head (activation_census_cpu.json,

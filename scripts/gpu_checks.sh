@@ -10,8 +10,8 @@
 # the loop with host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B,
 # Qwen3-30B-A3B's first 12 layers: 1024-token responses), trl, trl256-pair and trl1024-side (the next
 # pair, or the next side of a pair, of ours vs TRL at 256 or 1024 tokens: one lease's series in ABBA
-# order, summarized after each command), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap
-# without and with actor.emulate_rollout_fp8).
+# order, summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
+# disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -95,7 +95,7 @@ fi
 for group in trl256-pair:256:3:2 trl1024-side:1024:2:1; do  # the next runs of this lease's series
   IFS=: read -r name tokens steps sides <<< "$group"
   if run "$name"; then  # the series lives in the cache, so the runs of one lease add up (ABBA order)
-    python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" \
+    python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" ${PAIR_ARGS:-} \
       --out "$out/gpu_vs_trl_${tokens}_pairs.json" > "$out/gpu_vs_trl_$tokens.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/gpu_vs_trl_$tokens.log" | grep -E "^\[|step|no pair" | tail -12
     [ -f "$out/gpu_vs_trl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"

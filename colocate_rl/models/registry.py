@@ -93,6 +93,9 @@ class Family:
     # (this stage's model, hf_config) -> makes its forward round as the family's FP8 rollout engine
     # does (actor.emulate_rollout_fp8); returns a function that undoes it. None: not offered.
     fp8_emulation: Optional[Callable[[Any, dict], Callable[[], None]]] = None
+    # Whether actor.fp32_residual can keep this family's residual stream in fp32 (Megatron's
+    # fp32_residual_connection), and so whether it is on when unset (config.resolve_fp32_residual).
+    fp32_residual: bool = True
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -119,6 +122,7 @@ class ModelSize:
     moe_intermediate: int = 0
     topk: int = 0
     activation_factor: float = 1.0  # the family's (Family.activation_factor)
+    fp32_residual: bool = True  # the family's (Family.fp32_residual)
     # A standard GPT layer's widths (query heads x head_dim, key/value groups x head_dim, the dense
     # MLP's): its activations are counted from them (memory.activation_bytes); 0 for a family with
     # its own builder, whose layers the memory plan does not model op by op.
@@ -139,6 +143,7 @@ def model_size(hf: dict) -> ModelSize:
         layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
         moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
         topk=int(hf.get("num_experts_per_tok") or 0), activation_factor=family.activation_factor,
+        fp32_residual=family.fp32_residual,
         **(_gpt_widths(hf) if family.build is None else {}))
 
 

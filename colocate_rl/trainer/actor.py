@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from colocate_rl import platform
 from colocate_rl.algorithms import gap_summary, global_counts, policy_loss
-from colocate_rl.config import Config
+from colocate_rl.config import Config, resolve_fp32_residual
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
@@ -102,7 +102,7 @@ class Actor:
             use_cpu_initialization=not platform.has_gpu(),
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
-            fp32_residual_connection=a.fp32_residual,
+            fp32_residual_connection=resolve_fp32_residual(cfg, self.family.fp32_residual),
             **recompute,
         )
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)

@@ -94,16 +94,17 @@ def test_grpo_steps_raise_positive_and_lower_negative_tokens(tiny_model):
 
 def test_fp32_residual_rounds_less_in_bf16(tiny_model):
     """actor.fp32_residual keeps the residual stream in fp32: bf16 logprobs move toward the fp32
-    model's, and a GRPO step still runs."""
+    model's, and a GRPO step still runs; unset, a bf16 actor keeps it so."""
     path = tiny_model("qwen3-small")
     batch = make_batch()
     m = batch.loss_mask
     ref = make_actor(path).compute_logprobs(batch)
-    plain = make_actor(path, dtype="bfloat16").compute_logprobs(batch)
+    plain = make_actor(path, dtype="bfloat16", fp32_residual=False).compute_logprobs(batch)
     actor = make_actor(path, dtype="bfloat16", fp32_residual=True)
     wide = actor.compute_logprobs(batch)
     err = {k: float((lp - ref)[m].abs().mean()) for k, lp in (("plain", plain), ("wide", wide))}
     assert 0 < err["wide"] < err["plain"], err
+    assert torch.equal(make_actor(path, dtype="bfloat16").compute_logprobs(batch), wide)
     assert actor.train_step(batch, None)["grad_norm"] > 0
 
 

@@ -3,7 +3,7 @@ the plans of real models at their published sizes (from their configs alone)."""
 
 import pytest
 
-from colocate_rl.config import Config, ModelConfig, layout, load
+from colocate_rl.config import Config, ModelConfig, layout, load, resolve_fp32_residual
 from colocate_rl.memory import (ACCELERATORS, IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine,
                                 plan_memory)
 from colocate_rl.models.registry import model_size
@@ -73,6 +73,28 @@ def test_auto_offloads_only_what_does_not_fit():
     assert plan.offload == ("grads", "optimizer") and plan.overflow() is None, plan.table()
     assert _plan("Qwen/Qwen3-8B", "h100", **big, **{"actor.offload": "none"}).overflow() == Phase.ROLLOUT
     assert _plan("Qwen/Qwen3-0.6B", "h200", **{"actor.offload": "all"}).offload == ("grads", "optimizer", "params")
+
+
+def test_fp32_residual_unset_follows_dtype_mode_and_family_and_is_counted():
+    """Unset, actor.fp32_residual is on for a 16-bit actor only: off in fp32, in exact mode and for a
+    family with its own residual (DeepSeek-V4's mHC streams); set, it is as set. The plan counts its
+    fp32 layer inputs under full recompute: 2 more bytes per token and hidden unit and layer."""
+    def cfg(**over):
+        return load(Config(model=ModelConfig(path="m")), overrides=[f"{k}={v}" for k, v in over.items()])
+
+    assert resolve_fp32_residual(cfg()) and not resolve_fp32_residual(cfg(**{"model.dtype": "float32"}))
+    assert not resolve_fp32_residual(cfg(**{"rollout.exact": "true"}))
+    assert not resolve_fp32_residual(cfg(), family_allows=model_size(known_config("deepseek-ai/DeepSeek-V4-Flash")).fp32_residual)
+    assert not resolve_fp32_residual(cfg(**{"actor.fp32_residual": "false"}))
+    assert resolve_fp32_residual(cfg(**{"actor.fp32_residual": "true", "model.dtype": "float32"}))
+    over = {"actor.recompute": "true", "actor.micro_batch_size": 4}
+    wide, narrow = (_plan("Qwen/Qwen3-8B", "h200", **over, **{"actor.fp32_residual": v}) for v in ("null", "false"))
+    size = model_size(known_config("Qwen/Qwen3-8B"))
+    tokens = 4 * (Config().data.max_prompt_tokens + Config().rollout.max_response_tokens)
+    layers_extra = 2 * tokens * size.hidden * size.layers
+    norms_extra = 2 * tokens * size.hidden * 2  # one layer's two norm inputs, 2 bytes more each
+    assert wide.parts["activations"] - narrow.parts["activations"] == pytest.approx(
+        1.15 * (layers_extra + norms_extra), rel=1e-6)
 
 
 def test_published_models_are_counted_from_their_configs():

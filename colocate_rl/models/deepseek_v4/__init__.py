@@ -169,4 +169,5 @@ FAMILY = register(Family(
     # unit, with its 1.15 allowance) says 3.1 (benchmarks/results/dsv4_mini_colocated_h200.json):
     # the chunked window + compressed-entry attention keeps fp32 scores, the mHC streams are 4 wide.
     activation_factor=4.1,
+    fp32_residual=False,  # the residual is hc_mult mHC streams, not Megatron's one stream
 ))
