@@ -482,6 +482,13 @@ def resolve_fp32_residual(cfg: Config, family_allows: bool = True) -> bool:
     return family_allows and cfg.model.dtype != "float32" and not cfg.rollout.exact
 
 
+def fused_logprobs(cfg: Config, on_gpu: bool) -> bool:
+    """Whether the loss's logprobs run through the fused kernels: actor.logprob_kernel fused, or auto
+    on a GPU (where torch.compile writes device kernels); exact mode computes them its own way."""
+    kernel = cfg.actor.logprob_kernel
+    return not cfg.rollout.exact and (kernel == "fused" or (kernel == "auto" and on_gpu))
+
+
 def model_info(cfg: Config) -> dict:
     """The HF config.json of cfg.model.path when it is a local folder, else {} (hub ids resolve later)."""
     p = Path(cfg.model.path) / "config.json"

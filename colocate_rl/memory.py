@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from colocate_rl.config import resolve_fp32_residual
+from colocate_rl.config import fused_logprobs, resolve_fp32_residual
 
 GiB = 2**30
 
@@ -188,7 +188,8 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
-                     sequence_parallel: bool = False, residual_bytes: int = 0) -> tuple[int, int]:
+                     sequence_parallel: bool = False, residual_bytes: int = 0,
+                     fused: bool = False) -> tuple[int, int]:
     """(one decoder layer, output head + loss): bytes the training forward of ``tokens`` tokens keeps
     for its backward on one tensor-parallel rank, without recompute (``size``: the model's
     models.registry.ModelSize; ``element_bytes``: the model dtype's; ``residual_bytes``: the
@@ -203,7 +204,8 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     Tensor parallelism splits all but the 4·h (those too under sequence parallelism). Another
     family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps
     the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype,
-    plus two chunks of fp32 temporaries (of at most CHUNK_ELEMENTS each)."""
+    plus, unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most
+    CHUNK_ELEMENTS each)."""
     h, rb = size.hidden, residual_bytes or element_bytes
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \
@@ -217,7 +219,8 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
 
     logits = tokens * size.vocab / tp
-    return int(per_layer), int(2 * element_bytes * logits + 2 * 4 * min(logits, CHUNK_ELEMENTS))
+    temporaries = 0 if fused else 2 * 4 * min(logits, CHUNK_ELEMENTS)
+    return int(per_layer), int(2 * element_bytes * logits + temporaries)
 
 
 def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
@@ -247,7 +250,8 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     tokens = (cfg.data.max_prompt_tokens + r.max_response_tokens) * a.micro_batch_size
     layers = size.layers / pp
     rb = 4 if resolve_fp32_residual(cfg, size.fp32_residual) else pb
-    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb)
+    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb,
+                                       fused_logprobs(cfg, layout.on_gpu))
     act = (layers * rb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
     # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch) when

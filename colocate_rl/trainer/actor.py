@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from colocate_rl import platform
 from colocate_rl.algorithms import gap_summary, global_counts, policy_loss
-from colocate_rl.config import Config, resolve_fp32_residual
+from colocate_rl.config import Config, fused_logprobs, resolve_fp32_residual
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
@@ -90,8 +90,7 @@ class Actor:
         self._ps = ps
         self.dp_rank = ps.get_data_parallel_rank()
         self.device = platform.device()
-        kernel = a.logprob_kernel  # auto: fused where torch.compile writes GPU kernels (trainer/logprobs.py)
-        self._fused_logprobs = kernel == "fused" or (kernel == "auto" and self.device.type == "cuda")
+        self._fused_logprobs = fused_logprobs(cfg, self.device.type == "cuda")
 
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if a.recompute else {}

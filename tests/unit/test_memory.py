@@ -97,6 +97,20 @@ def test_fp32_residual_unset_follows_dtype_mode_and_family_and_is_counted():
         1.15 * (layers_extra + norms_extra), rel=1e-6)
 
 
+def test_fused_logprobs_keep_no_fp32_chunks():
+    """On a GPU the logprobs are fused unless actor.logprob_kernel=chunked (or exact mode): the plan's
+    head then holds no fp32 chunk temporaries, two chunks fewer than the chunked path's."""
+    from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
+
+    fused, chunked = (_plan("Qwen/Qwen3-0.6B", "h200", **{"actor.logprob_kernel": k}) for k in ("auto", "chunked"))
+    diff = chunked.parts["activations"] - fused.parts["activations"]
+    assert diff == pytest.approx(1.15 * 2 * 4 * CHUNK_ELEMENTS, rel=1e-6)
+    plain = {"actor.fp32_residual": "false"}  # exact mode's residual stream
+    exact = _plan("Qwen/Qwen3-0.6B", "h200", **plain, **{"rollout.exact": "true"})
+    assert exact.parts["activations"] == _plan("Qwen/Qwen3-0.6B", "h200", **plain,
+                                               **{"actor.logprob_kernel": "chunked"}).parts["activations"]
+
+
 def test_published_models_are_counted_from_their_configs():
     assert 0.59e9 < model_size(known_config("Qwen/Qwen3-0.6B")).total < 0.61e9
     assert 8.1e9 < model_size(known_config("Qwen/Qwen3-8B")).total < 8.3e9
