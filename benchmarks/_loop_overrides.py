@@ -14,4 +14,5 @@ def loop_overrides(path: Path, root: Path, run_name: str, *, prompts: int, n: in
             f"rollout.n={n}", f"rollout.max_response_tokens={tokens}", f"actor.lr={lr}",
             f"actor.micro_batch_size={micro}", f"placement.gpus_per_node={gpus}", "placement.launcher=local",
             "logging.wandb_mode=disabled", "logging.progress=false", f"logging.run_dir={root / 'bench'}",
-            f"logging.run_name={run_name}", f"actor.fp32_residual={'null' if fp32_residual == 'auto' else fp32_residual}"]
+            f"logging.run_name={run_name}",
+            f"actor.fp32_residual={'null' if fp32_residual == 'auto' else fp32_residual}"]

@@ -121,7 +121,8 @@ def main() -> None:
                                              residual_bytes=4 if fp32_residual else 0)
     plan_layer *= size.activation_factor  # a family's calibration (DeepSeek-V4's), as the plan applies it
     run = {
-        "dtype": a.dtype, "fp32_residual": fp32_residual, "rows": a.rows, "seq": a.seq, "layers": layers, "config_changes": changes,
+        "dtype": a.dtype, "fp32_residual": fp32_residual, "rows": a.rows, "seq": a.seq, "layers": layers,
+        "config_changes": changes,
         "per_layer_bytes_per_token": {"measured": in_layers / layers / tokens, "planned": plan_layer / tokens},
         # The plan's head also holds two chunks of fp32 temporaries (the backward's), left out here.
         "head_bytes_per_token": {"measured": head / tokens,

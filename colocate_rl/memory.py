@@ -199,13 +199,14 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     norms' inputs, those in the residual stream's dtype, and outputs), 4·q + 3·kv (q before its
     norm, q/k/v, rotated q and k, the attention output), then 3·ffn for a dense SwiGLU MLP (fc1's
     output, fc2's input), or for a routed one h + topk·(h + 4·moe_ffn) (router input, each token's
-    copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/activation_census.py counts what autograd saves and matches
-    this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE layer (activation_census_cpu.json).
-    Tensor parallelism splits all but the 4·h (those too under sequence parallelism). Another
-    family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps
-    the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype,
-    plus, unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most
-    CHUNK_ELEMENTS each)."""
+    copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/activation_census.py
+    counts what autograd saves and matches this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE
+    layer (activation_census_cpu.json), with the fp32 residual stream too. Tensor parallelism
+    splits all but the 4·h (those too under sequence parallelism). Another family's layer takes
+    Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps the logits
+    (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype, plus,
+    unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most CHUNK_ELEMENTS
+    each)."""
     h, rb = size.hidden, residual_bytes or element_bytes
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \

@@ -84,7 +84,8 @@ def test_fp32_residual_unset_follows_dtype_mode_and_family_and_is_counted():
 
     assert resolve_fp32_residual(cfg()) and not resolve_fp32_residual(cfg(**{"model.dtype": "float32"}))
     assert not resolve_fp32_residual(cfg(**{"rollout.exact": "true"}))
-    assert not resolve_fp32_residual(cfg(), family_allows=model_size(known_config("deepseek-ai/DeepSeek-V4-Flash")).fp32_residual)
+    dsv4 = model_size(known_config("deepseek-ai/DeepSeek-V4-Flash"))
+    assert not resolve_fp32_residual(cfg(), family_allows=dsv4.fp32_residual)
     assert not resolve_fp32_residual(cfg(**{"actor.fp32_residual": "false"}))
     assert resolve_fp32_residual(cfg(**{"actor.fp32_residual": "true", "model.dtype": "float32"}))
     over = {"actor.recompute": "true", "actor.micro_batch_size": 4}
