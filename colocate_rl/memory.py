@@ -274,6 +274,9 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     # workspaces, its context).
     parts["runtime"] = ((7 if layout.colocated else 2) * GiB) if capacity else 0
     notes = []
+    if rb != pb:  # unset, it is on for a 16-bit actor: say so where the bytes it costs are printed
+        notes.append("the actor keeps its residual stream in fp32 (actor.fp32_residual; its norms' inputs and "
+                     "recompute checkpoints are counted so)")
     if capacity and not r.kv_cache_memory_mb and parts["kv_cache"] == 0:
         notes.append(f"vLLM's share (rollout.gpu_memory_utilization={r.gpu_memory_utilization}) does not even "
                      "hold its weights")

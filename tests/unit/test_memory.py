@@ -94,6 +94,7 @@ def test_fp32_residual_unset_follows_dtype_mode_and_family_and_is_counted():
     tokens = 4 * (Config().data.max_prompt_tokens + Config().rollout.max_response_tokens)
     layers_extra = 2 * tokens * size.hidden * size.layers
     norms_extra = 2 * tokens * size.hidden * 2  # one layer's two norm inputs, 2 bytes more each
+    assert any("residual stream in fp32" in n for n in wide.notes) and not narrow.notes
     assert wide.parts["activations"] - narrow.parts["activations"] == pytest.approx(
         1.15 * (layers_extra + norms_extra), rel=1e-6)
 
