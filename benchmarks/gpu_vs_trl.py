@@ -8,9 +8,10 @@ Model: the random-weight Qwen3-0.6B shape in bf16 (colocate_rl.models.tiny), bot
 the same folder. Prompts: the arithmetic train set; 64 prompts x 8 samples, up to 256 tokens,
 temperature 1. Optimizer: Adam lr 1e-6, constant, grad clip 1.0, clip 0.2/0.28, no KL, one step per
 batch, token-mean loss. Both sides sleep vLLM at level 2 while training and wake weights before KV
-cache. Ours: Megatron actor, bf16 params with fp32 main params. TRL: fp32 weights under bf16 autocast
-(its mixed precision), vllm_enable_sleep_mode=True. Each side runs in its own process, one after the
-other; the first step of each is warm-up and not counted.
+cache. Ours: Megatron actor, bf16 params with fp32 main params and (its default) an fp32 residual
+stream. TRL: fp32 weights under bf16 autocast (its mixed precision), vllm_enable_sleep_mode=True.
+Each side runs in its own process, one after the other; the first step of each is warm-up and not
+counted.
 
 TRL's step time moved by up to 60% between machines, so one pair says little: ``--pairs 3`` runs
 a series of alternating pairs on one machine and reports every pair's ratio, their median and
