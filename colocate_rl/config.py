@@ -169,6 +169,12 @@ class ActorConfig:
     # auto: fused on a GPU, chunked on the CPU (where compiling costs more than it saves); exact
     # mode computes them as vLLM's sampler does, whatever this says.
     logprob_kernel: str = "auto"
+    # How the RMSNorms of a Qwen3 actor run (models/norm.py). eager: ~4 operators forward and ~20
+    # backward each, four norms per layer, ~40% of a train step's operators; fused: the same
+    # expressions through torch.compile'd kernels, one or two per pass (the first step pays the
+    # compile). A small model's step on a GPU is bound by launching operators; what fused saves
+    # there is measured by scripts/gpu_checks.sh OUT norm-loop, and until then eager is the default.
+    norm_kernel: str = "eager"
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
     # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
@@ -448,6 +454,7 @@ CHOICES = {
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "actor.offload": ("auto", "all", "none"),
     "actor.logprob_kernel": ("auto", "fused", "chunked"),
+    "actor.norm_kernel": ("eager", "fused"),
     "actor.optimizer_state_dtype": ("float32", "bfloat16"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
@@ -653,6 +660,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.exact and cfg.actor.logprob_kernel == "fused":
         raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: "
                           "unset actor.logprob_kernel=fused")
+    if cfg.rollout.exact and cfg.actor.norm_kernel == "fused":
+        raise ConfigError("rollout.exact=true computes the norms as vLLM's kernels do: unset actor.norm_kernel=fused")
     if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")

@@ -29,6 +29,14 @@ def has_gpu() -> bool:
     return kind() != "cpu"
 
 
+@functools.cache
+def compiled(fn):
+    """fn compiled once for any shapes (torch.compile, dynamic): elementwise work and row reductions
+    that eager mode launches as many small kernels, as one or a few. Casts to a narrower dtype round
+    as in eager mode (inductor otherwise keeps an fp32 value it was told to round to bf16)."""
+    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+
 def device() -> torch.device:
     """The device this process computes on: its current GPU (cuda:N, also on ROCm), else cpu."""
     return torch.device("cuda", torch.cuda.current_device()) if has_gpu() else torch.device("cpu")

@@ -4,7 +4,8 @@
 #   scripts/gpu_checks.sh [OUT_DIR] [GROUP[,GROUP...]|all]
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
 # time), exact-loop (the loop with exact mode off, on), fp32res-loop (with actor.fp32_residual off,
-# on, off), fused-loop (with actor.logprob_kernel chunked, fused, chunked), logprobs (the logprobs'
+# on, off), fused-loop (with actor.logprob_kernel chunked, fused, chunked), norm-loop (with
+# actor.norm_kernel eager, fused, eager), logprobs (the logprobs'
 # kernels alone, chunked vs fused), exact-curves (the tiny recipe's learning with exact mode off and
 # on), sync30b (Qwen3-30B-A3B's first 12 layers through the weight sync), loop8b (Qwen3-8B through
 # the loop with host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B,
@@ -53,7 +54,7 @@ if run exact-curves; then  # learning: the tiny recipe with exact mode off and o
   tail -8 "$out/exact_curves.log"
 fi
 for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residual:false,true,false \
-             fused-loop:actor.logprob_kernel:chunked,fused,chunked; do
+             fused-loop:actor.logprob_kernel:chunked,fused,chunked norm-loop:actor.norm_kernel:eager,fused,eager; do
   IFS=: read -r name key values <<< "$group"  # the loop with one setting off and on, one run after another
   if run "$name"; then
     i=0

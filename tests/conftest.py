@@ -51,6 +51,26 @@ RAY_MODULES = {"test_disaggregated.py", "test_multinode.py", "test_ray_auth.py",
                "test_scripts.py"}
 
 
+@pytest.fixture
+def compiling(monkeypatch):
+    """torch.compile for real in this test (the suite turns it off above, so a compiled path would
+    otherwise run its Python eagerly and a comparison with the eager path check nothing); fails the
+    test when nothing was compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from colocate_rl.platform import compiled
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")  # read by each torch.compile call
+    compiled.cache_clear()  # drop functions wrapped while it was off
+    torch._dynamo.reset()
+    yield
+    graphs = counters["stats"]["unique_graphs"]
+    compiled.cache_clear()
+    torch._dynamo.reset()
+    assert graphs > 0, "nothing went through torch.compile"
+
+
 def _unit(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
     return "ray" if module.rsplit("/", 1)[-1] in RAY_MODULES else module

@@ -6,11 +6,18 @@ normalises in fp32, rounds to the input dtype, then multiplies by a weight in th
 matching that order keeps the actor's bf16 logprobs close to the rollout engine's. The rounding
 goes to the weight's dtype, which is the input's unless actor.fp32_residual keeps the residual
 stream (the input here) in fp32 while the linears after the norm stay in the model dtype.
+
+Eager, a norm's forward is 4 operators and its backward ~20 (casts, squares, sums, products):
+four norms per Qwen3 layer (input, pre-MLP, q and k) are ~40% of the operators a train step
+launches, and a small model's step on a GPU is bound by launching them. ``fused`` (actor.norm_kernel)
+runs the same expressions through torch.compile'd kernels, one or two per pass.
 """
 
 from __future__ import annotations
 
 import torch
+
+from colocate_rl.platform import compiled
 
 
 def rms_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,29 +47,38 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
+def _norm(x, weight, eps):
+    # torch's rms_norm is x * rsqrt(mean(x^2) + eps) as HF writes it out, through torch's fused
+    # kernel where the device has one (aten._fused_rms_norm); the weight stays outside so that the
+    # rounding to its dtype comes before the scaling, as above.
+    h = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return weight * h.to(weight.dtype)
+
+
+def _norm_backward(grad, x, weight, eps):
+    xhat, rstd = rms_stats(x, eps)
+    h = xhat.to(weight.dtype)  # the rounded norm the weight multiplied
+    dw = (grad.float() * h.float()).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    dx = rms_norm_input_grad(grad * weight, xhat, rstd)  # grad * weight in 16-bit, as autograd's
+    return dx.to(x.dtype), dw
+
+
 class _RMSNormFn(torch.autograd.Function):
     """weight * round(rms_norm(x in fp32)), keeping only x and the weight for the backward (autograd
     of the same expression keeps an fp32 copy of x and the rounded result too: 6 bytes per element
-    of a 16-bit x instead of 2)."""
+    of a 16-bit x instead of 2); ``fused``: both passes through compiled kernels."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, fused):
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        # torch's rms_norm is x * rsqrt(mean(x^2) + eps) as HF writes it out, through torch's fused
-        # kernel where the device has one (aten._fused_rms_norm); the weight stays outside so that
-        # the rounding to its dtype comes before the scaling, as above.
-        h = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)
-        return weight * h.to(weight.dtype)
+        ctx.eps, ctx.fused = eps, fused
+        return (compiled(_norm) if fused else _norm)(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        xhat, rstd = rms_stats(x, ctx.eps)
-        h = xhat.to(weight.dtype)  # the rounded norm the weight multiplied
-        dw = (grad.float() * h.float()).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
-        dx = rms_norm_input_grad(grad * weight, xhat, rstd)  # grad * weight in 16-bit, as autograd's
-        return dx.to(x.dtype), dw, None
+        dx, dw = (compiled(_norm_backward) if ctx.fused else _norm_backward)(grad, x, weight, ctx.eps)
+        return dx, dw, None, None
 
 
 class RMSNorm(torch.nn.Module):
@@ -76,6 +92,7 @@ class RMSNorm(torch.nn.Module):
         # finalize_model_grads sums the gradients of parameters flagged so over the tensor-parallel group.
         self.weight.sequence_parallel = config.sequence_parallel
         self.eps = eps
+        self.fused = False  # compiled kernels (actor.norm_kernel); the actor sets it after building
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFn.apply(x, self.weight, self.eps)
+        return _RMSNormFn.apply(x, self.weight, self.eps, self.fused)

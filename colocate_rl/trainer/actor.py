@@ -38,6 +38,7 @@ from colocate_rl.config import Config, fused_logprobs, resolve_fp32_residual
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
+from colocate_rl.models.norm import RMSNorm
 from colocate_rl.models.registry import exact_samples_on_v2, family_for, model_folder, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
@@ -105,6 +106,9 @@ class Actor:
             **recompute,
         )
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
+        for m in module.modules():  # actor.norm_kernel (models/norm.py; exact mode stops at config time)
+            if isinstance(m, RMSNorm):
+                m.fused = a.norm_kernel == "fused"
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, self.model_path)
         if a.emulate_rollout_fp8:

@@ -23,10 +23,10 @@ actor.logprob_kernel picks the path (auto: fused on a GPU, chunked on the CPU).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
+
+from colocate_rl.platform import compiled
 
 # fp32 elements of one chunk's temporaries (256 MiB): rows per chunk = this // the vocabulary slice.
 CHUNK_ELEMENTS = 1 << 26
@@ -75,12 +75,6 @@ def _input_grad(logits, index, local, peak, log_sum_exp, grad, temperature):
     return (torch.where(hit, d + g, d) / temperature).to(logits.dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    """fn compiled once for any number of rows (torch.compile, dynamic shapes)."""
-    return torch.compile(fn, dynamic=True)
-
-
 class _VocabParallelLogprobs(torch.autograd.Function):
     """logits [N, V/tp], targets [N] (global ids) → [N] float32 log p(target) at ``temperature``: the
     same operations, in the same order, as megatron-core's vocab_parallel_cross_entropy, by chunks;
@@ -94,10 +88,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         local = (targets >= start) & (targets < start + width)
         index = torch.where(local, targets - start, 0)[:, None]
         if fused:
-            peak = _compiled(_row_max)(logits, temperature)
+            peak = compiled(_row_max)(logits, temperature)
             if group is not None:  # the max must be the group's before any exp
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            sum_exp, target = _compiled(_sum_exp_and_target)(logits, peak, index, local, temperature)
+            sum_exp, target = compiled(_sum_exp_and_target)(logits, peak, index, local, temperature)
         else:
             peak = torch.empty(n, dtype=torch.float32, device=logits.device)
             sum_exp, target = torch.empty_like(peak), torch.empty_like(peak)
@@ -125,7 +119,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logits, local, index, peak, log_sum_exp = ctx.saved_tensors
         t = ctx.temperature
         if ctx.fused:
-            return _compiled(_input_grad)(logits, index, local, peak, log_sum_exp, grad, t), None, None, None
+            return compiled(_input_grad)(logits, index, local, peak, log_sum_exp, grad, t), None, None, None
         out = torch.empty_like(logits)
         for rows in _chunks(*logits.shape):
             p = _scaled(logits, rows, t).sub_(peak[rows, None]).sub_(log_sum_exp[rows, None]).exp_()  # softmax

@@ -52,7 +52,7 @@ def test_chunked_logprobs_are_megatrons(world, monkeypatch, dtype, temperature):
 
 
 @pytest.mark.slow  # the first call compiles (~30 s on 2 cores)
-def test_fused_logprobs_equal_the_chunked_ones(world):
+def test_fused_logprobs_equal_the_chunked_ones(world, compiling):
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
         logits = (3 * torch.randn(3, 50, 1000, generator=g)).to(dtype)

@@ -32,11 +32,12 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     one_line(lambda: plan.resolve(cfg("Qwen/Qwen3-30B-A3B", **{"placement.gpus_per_node": 2, "actor.ep": 2,
                                                                "placement.accelerator": "h200"})),
              "rollout.exact=true runs a MoE block on one rank: actor.tp=1 and actor.ep=2")
-    # Sums split over another number of ranks round differently; an fp32 residual stream and fused
-    # logprobs are not vLLM's.
+    # Sums split over another number of ranks round differently; an fp32 residual stream, fused
+    # logprobs and fused norms are not vLLM's.
     one_line(lambda: cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2}), r"tensor_parallel_size \(1\) == actor.tp \(2\)")
     one_line(lambda: cfg(**{"actor.fp32_residual": "true"}), "leave actor.fp32_residual unset or false")
     one_line(lambda: cfg(**{"actor.logprob_kernel": "fused"}), "unset actor.logprob_kernel=fused")
+    one_line(lambda: cfg(**{"actor.norm_kernel": "fused"}), "unset actor.norm_kernel=fused")
     # FlashAttention 3 has no float32 kernels (the tiny CPU recipe's dtype).
     one_line(lambda: cfg(**{"model.dtype": "float32"}), "needs model.dtype=bfloat16 or float16, not float32")
 
