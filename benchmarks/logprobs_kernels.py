@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
 import torch
 
-from actor_step import timed
+from actor_step import machine_info, timed
 
 
 def one_shape(rows: int, vocab: int, dev, repeat: int) -> dict:
@@ -64,8 +62,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
         "benchmark": "logprobs_kernels",
-        "machine": {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                    "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
+        "machine": machine_info(),
         "shapes": [],
     }
     for rows in a.rows:  # each shape printed and written as it finishes

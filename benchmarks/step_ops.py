@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from actor_step import add_shape_args, build_model, make_batch
+from actor_step import add_shape_args, build_model, machine_info, make_batch
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
          "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
@@ -82,9 +80,7 @@ def main() -> None:
     off, on = runs[names[0]], runs[names[1]]
     result = {
         "benchmark": "step_ops",
-        "machine": {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-                    "python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                    "date": time.strftime("%Y-%m-%d")},
+        "machine": machine_info(),
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
         "ops_on_vs_off": on["ops"] / off["ops"],
         "ops_added": dict((collections.Counter(on["ops_by_name"])

@@ -5,14 +5,14 @@
 # groups: tests, bench, exact (exact on-policy mode's GPU tests and the train step's wall vs kernel
 # time), exact-loop (the loop with exact mode off, on), fp32res-loop (with actor.fp32_residual off,
 # on, off), fused-loop (with actor.logprob_kernel chunked, fused, chunked), norm-loop (with
-# actor.norm_kernel eager, fused, eager), logprobs (the logprobs'
-# kernels alone, chunked vs fused), exact-curves (the tiny recipe's learning with exact mode off and
-# on), sync30b (Qwen3-30B-A3B's first 12 layers through the weight sync), loop8b (Qwen3-8B through
-# the loop with host Adam and full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B,
-# Qwen3-30B-A3B's first 12 layers: 1024-token responses), trl, trl256-pair and trl1024-side (the next
-# pair, or the next side of a pair, of ours vs TRL at 256 or 1024 tokens: one lease's series in ABBA
-# order, summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
-# disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# actor.norm_kernel eager, fused, eager), logprobs (the logprobs' kernels alone, chunked vs fused),
+# exact-curves (the tiny recipe's learning with exact mode off and on), sync30b (Qwen3-30B-A3B's
+# first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and
+# full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers:
+# 1024-token responses), trl, trl256-pair and trl1024-side (the next pair, or the next side of a
+# pair, of ours vs TRL at 256 or 1024 tokens: one lease's series in ABBA order, summarized after
+# each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false), disagg, dsv4,
+# dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
