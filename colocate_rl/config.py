@@ -170,7 +170,7 @@ class ActorConfig:
     # mode computes them as vLLM's sampler does, whatever this says.
     logprob_kernel: str = "auto"
     # How the RMSNorms of a Qwen3 actor run (models/norm.py). eager: ~4 operators forward and ~20
-    # backward each, four norms per layer, ~40% of a train step's operators; fused: the same
+    # backward each, four norms per layer, 28% of a train step's operators; fused: the same
     # expressions through torch.compile'd kernels, one or two per pass (the first step pays the
     # compile). A small model's step on a GPU is bound by launching operators; what fused saves
     # there is measured by scripts/gpu_checks.sh OUT norm-loop, and until then eager is the default.
