@@ -31,6 +31,7 @@ class RunPlan:
     capacity: int  # bytes of one GPU the plan is checked against (0 = unchecked)
     memory: MemoryPlan
     problems: list[str] = field(default_factory=list)  # what does not fit, one line each (dry runs)
+    resolved: dict[str, str] = field(default_factory=dict)  # unset/auto settings → what they resolve to here
 
     def describe(self) -> str:
         lay = self.layout
@@ -46,6 +47,8 @@ class RunPlan:
         if self.size:
             lines.append(f"model: {_count(self.size.total)} parameters ({_count(self.size.experts)} in routed "
                          f"experts), {self.size.layers} layers")
+        if self.resolved:  # the printed config shows these as null/auto
+            lines.append("resolved here: " + ", ".join(f"{k}={v}" for k, v in self.resolved.items()))
         lines.append(self.memory.table())
         lines += [f"does not fit: {p}" for p in self.problems]
         return "\n".join(lines)
@@ -186,4 +189,10 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         if strict:
             raise ConfigError(err)
         problems.append(err)
-    return RunPlan(lay, hf, size, device, capacity, memory, problems)
+    resolved: dict[str, str] = {}
+    if cfg.actor.fp32_residual is None:
+        on = C.resolve_fp32_residual(cfg, size.fp32_residual if size else True)
+        resolved["actor.fp32_residual"] = str(on).lower()
+    if cfg.actor.logprob_kernel == "auto" and not cfg.rollout.exact:  # exact mode scores its own way
+        resolved["actor.logprob_kernel"] = "fused" if C.fused_logprobs(cfg, lay.on_gpu) else "chunked"
+    return RunPlan(lay, hf, size, device, capacity, memory, problems, resolved)

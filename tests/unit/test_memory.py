@@ -162,3 +162,17 @@ def test_a_run_this_node_cannot_hold_stops_before_loading(monkeypatch):
     cfg.actor.optimizer_state_dtype = "bfloat16"
     plan = P.resolve(cfg)
     assert plan.memory.host_capacity == 96 * GiB and "of 96.0 GiB" in plan.memory.table()
+
+
+def test_the_plan_prints_what_unset_and_auto_settings_resolve_to():
+    """The printed config shows actor.fp32_residual as null and actor.logprob_kernel as auto; the plan's
+    printout says what they are on this run (on the CPU: fp32 residual on for bf16, chunked logprobs)."""
+    from colocate_rl.plan import resolve
+
+    def described(*over):
+        return resolve(load(Config(model=ModelConfig(path="Qwen/Qwen3-0.6B")),
+                            overrides=["placement.gpus_per_node=0", "model.dtype=bfloat16", *over])).describe()
+
+    assert "resolved here: actor.fp32_residual=true, actor.logprob_kernel=chunked" in described()
+    assert "resolved here: actor.fp32_residual=false," in described("model.dtype=float32")
+    assert "resolved here" not in described("actor.fp32_residual=true", "actor.logprob_kernel=fused")
