@@ -210,11 +210,11 @@ class RayDisaggregated:
         rank0 = self.actor.ranks[0]
         from colocate_rl.weight_sync.broadcast import backend_for
 
-        # The group's store is served by actor rank 0, on its node: its address, a port free there.
+        # The group's store is served by actor rank 0, on its node: its address, a port it holds until then.
         members = [self.actor.names[0]] + [f"engine {e} worker {w} on {ip}"
                                            for e, n, ip in zip(engines, workers, ips) for w in range(n)]
         spec = dict(name=f"weights-{secrets.token_hex(3)}", master_addr=ray.get(rank0.node_ip.remote()),
-                    master_port=ray.get(rank0.free_port.remote()), world_size=1 + sum(workers),
+                    master_port=ray.get(rank0.reserve_port.remote()), world_size=1 + sum(workers),
                     backend=backend_for("cuda" if self.layout.engine_gpus else "cpu"),
                     timeout_s=self.cfg.sync.timeout_s, members=tuple(members))
         with self.actor.lock:
@@ -340,8 +340,8 @@ def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayDisaggreg
     w.hosts = [w._start_engine(i) for i in range(len(p.rollout))]  # they start while the ranks build
     places = ray.get([r.where.remote() for r in ranks])
     w.actor.names = rank_names(places)
-    # torch.distributed's rendezvous on rank 0's node: its address and a port free there.
-    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].free_port.remote()))}
+    # torch.distributed's rendezvous on rank 0's node: its address and a port it holds until its store serves.
+    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote()))}
     net = network_env()
     w.actor.get([r.start.remote(cfg, {**net, **master, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                                       "OMP_NUM_THREADS": "1"}) for rank, r in enumerate(ranks)], "start")

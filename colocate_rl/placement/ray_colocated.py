@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from colocate_rl.handoff import ColocatedHandoff
 from colocate_rl.placement.base import engine_quantization, immediate_buffer
 from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
 from colocate_rl.placement.ray_auth import authenticate
+from colocate_rl.ports import reserve_port
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
 
@@ -79,12 +79,6 @@ def _raise_nofile_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class _Host:
     """Base of the Ray actors below: process env first, then the object, then calls by name."""
 
@@ -104,8 +98,9 @@ class _Host:
         """Node, process and the GPUs Ray assigned, as this process sees them."""
         return where()
 
-    def free_port(self) -> int:
-        return _free_port()
+    def reserve_port(self) -> int:
+        """A port this process holds until a store it serves takes it: the stores of rank 0's groups."""
+        return reserve_port()
 
     def describe(self) -> dict[str, Any]:
         """Where this process runs and what it uses, read from inside it (tests assert placement)."""
@@ -439,7 +434,8 @@ def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayColocated
     ranks = [ActorRank.options(**bundle(k, i)).remote(authkey) for k in range(lay.nnodes) for i in range(rpn)]
     places = ray.get([r.where.remote() for r in ranks])
     names = rank_names(places)
-    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].free_port.remote()))}
+    # Rank 0 holds its store's port from here until its Actor builds the process group (colocate_rl.ports).
+    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote()))}
     # Each node's GPUs of the run, in bundle order: rank k*rpn+i uses the node's i-th (LOCAL_RANK i).
     node_gpus = [[places[k * rpn + i]["gpu_ids"][0] for i in range(rpn)] if gpu else [] for k in range(lay.nnodes)]
     net = network_env()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from colocate_rl import platform
+from colocate_rl import platform, ports
 
 
 def free_port() -> int:
@@ -27,7 +27,8 @@ def free_port() -> int:
 
 def init_process_group() -> tuple[int, int]:
     """Joins (or creates) the default process group from RANK / WORLD_SIZE / MASTER_* env; a single
-    process with none of them set becomes a world of one. Returns (rank, world size)."""
+    process with none of them set becomes a world of one. Rank 0 serves the store on MASTER_PORT's held
+    socket when this process reserved that port (colocate_rl.ports). Returns (rank, world size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank = int(os.environ.get("RANK", 0))
@@ -40,12 +41,20 @@ def init_process_group() -> tuple[int, int]:
         raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
     if platform.has_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    timeout = timedelta(minutes=30)
+    port = int(os.environ.get("MASTER_PORT", 0))
+    if rank == 0 and not pick_port and ports.reserved(port):
+        # This process holds the port (placement reserved it here): the store serves on the held socket, so no
+        # other process can take it first. Prefixed as torch prefixes an env:// store, which the other ranks join.
+        store = ports.tcp_store(os.environ["MASTER_ADDR"], port, world, True, timeout, multi_tenant=True)
+        dist.init_process_group(platform.dist_backend(), store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world, timeout=timeout)
+        return rank, world
     for attempt in range(5):
         if pick_port:
             os.environ["MASTER_PORT"] = str(free_port())
         try:
-            dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world,
-                                    timeout=timedelta(minutes=30))
+            dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world, timeout=timeout)
             return rank, world
         except dist.DistNetworkError:
             # A port we picked for a world of one can be taken by another process between

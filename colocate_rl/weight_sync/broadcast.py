@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colocate_rl.config import first_line
+from colocate_rl.ports import tcp_store
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
 
@@ -42,7 +43,8 @@ class BroadcastTimeout(WeightSyncError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """What every member needs to join: rank 0 (the sender) hosts the store at master_addr:master_port."""
+    """What every member needs to join: rank 0 (the sender) hosts the store at master_addr:master_port
+    (a port its process holds from ``colocate_rl.ports.reserve_port``, so none other can take it first)."""
 
     name: str
     master_addr: str
@@ -66,8 +68,9 @@ class BroadcastGroup:
         self.spec, self.rank, self.device = spec, rank, torch.device(device)
         timeout = timedelta(seconds=spec.timeout_s)
         try:
-            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=rank == 0,
-                                  timeout=timeout, wait_for_workers=False)
+            # Rank 0 serves on the port's held socket when its process reserved it (colocate_rl.ports).
+            store = tcp_store(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout,
+                              wait_for_workers=False)
         except RuntimeError as e:
             raise BroadcastTimeout(f"{self._who()}: cannot reach the group's store at {spec.master_addr}:"
                                    f"{spec.master_port}, served by {self._name(0)} "

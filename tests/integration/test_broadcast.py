@@ -5,21 +5,19 @@ ranks that are silent."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 import torch
 
+from colocate_rl.ports import reserve_port
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
 from colocate_rl.weight_sync.buckets import pack
 from colocate_rl.weight_sync.fp8 import quantize_named
 
 
 def _spec(name: str, timeout_s: float = 30.0, world: int = 2) -> GroupSpec:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()  # held by this process, where rank 0 serves the store, as placement does
     members = ("actor rank 0 on 10.0.0.1", "engine 0 worker 0 on 10.0.0.3") if world == 2 else ()
     return GroupSpec(name, "127.0.0.1", port, world, "gloo", timeout_s, members)
 
