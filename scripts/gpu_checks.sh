@@ -9,10 +9,10 @@
 # exact-curves (the tiny recipe's learning with exact mode off and on), sync30b (Qwen3-30B-A3B's
 # first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and
 # full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers:
-# 1024-token responses), trl, trl256-pair and trl1024-side (the next pair, or the next side of a
-# pair, of ours vs TRL at 256 or 1024 tokens: one lease's series in ABBA order, summarized after
-# each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false), disagg, dsv4,
-# dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# 1024-token responses), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
+# tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
+# summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
+# disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -93,7 +93,7 @@ if run trl; then  # ours vs TRL's GRPOTrainer (vLLM colocate mode), one GPU
   python3 benchmarks/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/gpu_vs_trl.log" | tail -40
 fi
-for group in trl256-pair:256:3:2 trl1024-side:1024:2:1; do  # the next runs of this lease's series
+for group in trl256-pair:256:3:2 trl1024-pair:1024:1:2; do  # the next runs of this lease's series
   IFS=: read -r name tokens steps sides <<< "$group"
   if run "$name"; then  # the series lives in the cache, so the runs of one lease add up (ABBA order)
     python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" ${PAIR_ARGS:-} \
