@@ -212,7 +212,7 @@ def pairs_summary(results: list[dict]) -> dict:
     ratios = [r["step_s_vs_trl"] for r in results]
     return {
         "benchmark": "gpu_vs_trl, alternating pairs",
-        "machine": results[0]["machine"], "settings": results[0]["settings"],
+        "machine": results[0]["machine"], "settings": {**results[0]["settings"], "pairs": len(results)},
         "step_s_vs_trl_median": statistics.median(ratios),
         "step_s_vs_trl_spread": [min(ratios), max(ratios)],
         "step_s_vs_trl_per_pair": ratios,
