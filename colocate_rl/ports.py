@@ -1,4 +1,5 @@
-"""Ports for the TCPStores that form process groups, held from the moment they are picked.
+"""Ports for the TCPStores that form process groups: held from the moment they are picked when the
+picking process serves the store (``reserve_port``), else only free when picked (``free_port``).
 
 A port found by binding port 0 and closing the socket is free for any process until the store binds it, often
 seconds later (an Actor builds first). ``reserve_port`` keeps the socket bound and listening instead, and
@@ -15,6 +16,14 @@ from typing import Any
 import torch.distributed as dist
 
 _held: dict[int, socket.socket] = {}  # port -> the bound, listening socket, until a store serves on it
+
+
+def free_port() -> int:
+    """A port of this host free now, not held: for a store that another process will serve (a lone process's own
+    group, the ranks run_on_ranks spawns), whose callers pick again when it was taken meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def reserve_port() -> int:

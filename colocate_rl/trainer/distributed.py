@@ -7,7 +7,6 @@ On CPU the process group is gloo; on CUDA/ROCm it is nccl (RCCL on ROCm).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -17,12 +16,6 @@ import torch
 import torch.distributed as dist
 
 from colocate_rl import platform, ports
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group() -> tuple[int, int]:
@@ -52,13 +45,13 @@ def init_process_group() -> tuple[int, int]:
         return rank, world
     for attempt in range(5):
         if pick_port:
-            os.environ["MASTER_PORT"] = str(free_port())
+            os.environ["MASTER_PORT"] = str(ports.free_port())
         try:
             dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world, timeout=timeout)
             return rank, world
         except dist.DistNetworkError:
             # A port we picked for a world of one can be taken by another process between
-            # free_port() closing it and the store binding it: pick again.
+            # ports.free_port() closing it and the store binding it: pick again.
             if not pick_port or attempt == 4:
                 raise
     return rank, world
@@ -112,7 +105,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args) -> Any:
         out = str(Path(tmp) / "result.pt")
         for attempt in range(3):
             try:
-                mp.spawn(_worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
+                mp.spawn(_worker, args=(world_size, ports.free_port(), out, fn, args), nprocs=world_size, join=True)
                 break
             except mp.ProcessRaisedException as e:
                 # The ranks take seconds to start, and another process can bind the free port picked

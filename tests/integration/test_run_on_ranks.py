@@ -8,6 +8,7 @@ import socket
 
 import torch.distributed as dist
 
+from colocate_rl import ports
 from colocate_rl.trainer import distributed
 
 
@@ -19,12 +20,12 @@ def test_a_port_taken_before_the_store_binds_it_is_picked_again(monkeypatch):
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
-        port, picked, real = taken.getsockname()[1], [], distributed.free_port
+        port, picked, real = taken.getsockname()[1], [], ports.free_port
 
         def pick() -> int:  # the taken port first, then free ones
             picked.append(real() if picked else port)
             return picked[-1]
 
-        monkeypatch.setattr(distributed, "free_port", pick)
+        monkeypatch.setattr(ports, "free_port", pick)
         assert distributed.run_on_ranks(world_size_seen, 2) == 2
     assert len(picked) == 2 and picked[0] == port != picked[1]
