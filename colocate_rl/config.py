@@ -175,6 +175,12 @@ class ActorConfig:
     # compile). A small model's step on a GPU is bound by launching operators; what fused saves
     # there is measured by scripts/gpu_checks.sh OUT norm-loop, and until then eager is the default.
     norm_kernel: str = "eager"
+    # How a MoE layer's experts run (models/grouped_experts.py). sequential: megatron-core's
+    # SequentialMLP, two matmuls and the activation per expert (~1,000 operators per layer and
+    # micro-batch at 128 experts); grouped: all local experts in two torch grouped GEMMs, the same
+    # parameters. auto: grouped on a GPU for a 16-bit actor, sequential on the CPU. Exact mode runs
+    # vLLM's fused experts whatever this says.
+    expert_kernel: str = "auto"
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
     # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
@@ -455,6 +461,7 @@ CHOICES = {
     "actor.offload": ("auto", "all", "none"),
     "actor.logprob_kernel": ("auto", "fused", "chunked"),
     "actor.norm_kernel": ("eager", "fused"),
+    "actor.expert_kernel": ("auto", "sequential", "grouped"),
     "actor.optimizer_state_dtype": ("float32", "bfloat16"),
     "algorithm.kl_type": ("k1", "k3"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
@@ -494,6 +501,14 @@ def fused_logprobs(cfg: Config, on_gpu: bool) -> bool:
     on a GPU (where torch.compile writes device kernels); exact mode computes them its own way."""
     kernel = cfg.actor.logprob_kernel
     return not cfg.rollout.exact and (kernel == "fused" or (kernel == "auto" and on_gpu))
+
+
+def grouped_experts(cfg: Config, on_gpu: bool) -> bool:
+    """Whether a MoE actor's experts run through the grouped GEMMs: actor.expert_kernel grouped, or
+    auto on a GPU with a 16-bit actor (torch's CUDA grouped GEMM takes bf16)."""
+    kernel = cfg.actor.expert_kernel
+    auto = on_gpu and cfg.model.dtype != "float32"
+    return not cfg.rollout.exact and (kernel == "grouped" or (kernel == "auto" and auto))
 
 
 def model_info(cfg: Config) -> dict:

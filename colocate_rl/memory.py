@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from colocate_rl.config import fused_logprobs, resolve_fp32_residual
+from colocate_rl.config import fused_logprobs, grouped_experts, resolve_fp32_residual
 
 GiB = 2**30
 
@@ -259,6 +259,10 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     # the actor kept 84.4 kB per token and layer and 616 kB for the head (activation_census_cpu.json,
     # earlier_code): 51.1 GiB of saved tensors.
     parts["activations"] = int(1.15 * size.activation_factor * (act * min(pp, 2) + head))
+    if size.grouped_experts and grouped_experts(cfg, layout.on_gpu):
+        # The grouped GEMMs' stacked copy of one layer's local fc1 weights (2/3 of a SwiGLU expert's)
+        # and, in the backward, their gradient stacked the same way.
+        parts["activations"] += int(2 * pb * size.expert_layer * 2 / 3 / ep)
     # vLLM: weights split over the engine's TP group; it takes gpu_memory_utilization of the card for
     # weights, activations and KV cache (or weights + the explicit KV budget).
     wbytes = 1 if r.weight_quantization == "fp8" else pb

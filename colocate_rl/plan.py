@@ -195,4 +195,7 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         resolved["actor.fp32_residual"] = str(on).lower()
     if cfg.actor.logprob_kernel == "auto" and not cfg.rollout.exact:  # exact mode scores its own way
         resolved["actor.logprob_kernel"] = "fused" if C.fused_logprobs(cfg, lay.on_gpu) else "chunked"
+    if cfg.actor.expert_kernel == "auto" and not cfg.rollout.exact and size and size.experts \
+            and family_for(hf).grouped_experts:
+        resolved["actor.expert_kernel"] = "grouped" if C.grouped_experts(cfg, lay.on_gpu) else "sequential"
     return RunPlan(lay, hf, size, device, capacity, memory, problems, resolved)

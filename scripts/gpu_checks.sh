@@ -9,7 +9,8 @@
 # exact-curves (the tiny recipe's learning with exact mode off and on), sync30b (Qwen3-30B-A3B's
 # first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and
 # full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers:
-# 1024-token responses), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
+# 1024-token responses; LOOP_SET adds settings, e.g. actor.expert_kernel=sequential), experts (the
+# grouped experts' GPU test and benchmarks/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
 # tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
 # summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
 # disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
@@ -69,6 +70,12 @@ if run logprobs; then  # the logprobs' forward + backward, chunked vs fused, one
   python3 benchmarks/logprobs_kernels.py --out "$out/logprobs_kernels.json" > "$out/logprobs_kernels.log" 2>&1 || rc=1
   grep -E "rows x|Error" "$out/logprobs_kernels.log" | tail -5
 fi
+if run experts; then  # the grouped experts: their GPU test, then one layer at Qwen3-30B-A3B's width, sequential vs grouped
+  python3 -m pytest -q -rs tests/gpu/test_grouped_experts_gpu.py > "$out/test_grouped_experts_gpu.log" 2>&1 || rc=1
+  tail -3 "$out/test_grouped_experts_gpu.log"
+  python3 benchmarks/expert_kernels.py --out "$out/expert_kernels.json" > "$out/expert_kernels.log" 2>&1 || rc=1
+  grep -vE "INFO|^\(" "$out/expert_kernels.log" | tail -4
+fi
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
@@ -84,7 +91,7 @@ for group in loop8b-1024:qwen3-8b loop30b-1024:qwen3-30b-a3b@12; do  # real widt
   shape="${group#*:}"; name="handoff_${shape/@/_}_1024"
   if run "${group%%:*}"; then
     python3 benchmarks/handoff.py --shape "$shape" --prompts 16 --n 8 --tokens 1024 --steps 2 --gpu-mem 0.35 --micro 4 \
-      --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true \
+      --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true ${LOOP_SET:-} \
       --out "$out/$name.json" > "$out/$name.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/$name.log" | tail -20
   fi

@@ -132,6 +132,7 @@ def layer_spec(config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from colocate_rl.models.attention import SDPACoreAttention
+    from colocate_rl.models.grouped_experts import with_grouped_experts
     from colocate_rl.models.norm import RMSNorm
     from colocate_rl.models.swiglu import SwiGLU, with_activation
 
@@ -143,7 +144,7 @@ def layer_spec(config, use_te: bool):
             sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
             attn = sub.self_attention.submodules
             attn.core_attention, attn.q_layernorm, attn.k_layernorm = SDPACoreAttention, RMSNorm, RMSNorm
-            sub.mlp = with_activation(sub.mlp, SwiGLU)
+            sub.mlp = with_grouped_experts(with_activation(sub.mlp, SwiGLU))
     return spec
 
 
@@ -223,4 +224,5 @@ def _exact_layer_spec(config, hf: dict):
 for _name in ("qwen3", "qwen3_moe"):
     register(Family(name=_name, model_types=(_name,), transformer_config=transformer_config, layer_spec=layer_spec,
                     model_kwargs=model_kwargs, params=params, check_parallel=check_parallel,
-                    verify_names=verify_names, moe_routing=moe_routing, exact_layer_spec=_exact_layer_spec))
+                    verify_names=verify_names, moe_routing=moe_routing, exact_layer_spec=_exact_layer_spec,
+                    grouped_experts=True))

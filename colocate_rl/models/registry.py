@@ -96,6 +96,8 @@ class Family:
     # Whether actor.fp32_residual can keep this family's residual stream in fp32 (Megatron's
     # fp32_residual_connection), and so whether it is on when unset (config.resolve_fp32_residual).
     fp32_residual: bool = True
+    # Whether the layer spec's MoE experts are models/grouped_experts.py's (actor.expert_kernel).
+    grouped_experts: bool = False
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -129,6 +131,10 @@ class ModelSize:
     q_width: int = 0
     kv_width: int = 0
     ffn: int = 0
+    # Routed-expert elements of the layer with the most (all its experts), and whether the family's
+    # experts can run grouped (Family.grouped_experts): the grouped GEMMs stack one layer's at a time.
+    expert_layer: int = 0
+    grouped_experts: bool = False
 
 
 def model_size(hf: dict) -> ModelSize:
@@ -138,12 +144,17 @@ def model_size(hf: dict) -> ModelSize:
     family = family_for(hf)
     specs = family.params(hf)
     sizes = [(math.prod(s.shape), s.expert is not None) for s in specs if s.export]
+    per_layer: dict = {}
+    for s in specs:
+        if s.export and s.expert is not None:
+            per_layer[s.layer] = per_layer.get(s.layer, 0) + math.prod(s.shape)
     return ModelSize(
         total=sum(n for n, _ in sizes), experts=sum(n for n, e in sizes if e), hidden=int(hf["hidden_size"]),
         layers=int(hf["num_hidden_layers"]), vocab=int(hf["vocab_size"]), largest=max(n for n, _ in sizes),
         moe_intermediate=int(hf.get("moe_intermediate_size") or 0),
         topk=int(hf.get("num_experts_per_tok") or 0), activation_factor=family.activation_factor,
-        fp32_residual=family.fp32_residual,
+        fp32_residual=family.fp32_residual, expert_layer=max(per_layer.values(), default=0),
+        grouped_experts=family.grouped_experts,
         **(_gpt_widths(hf) if family.build is None else {}))
 
 

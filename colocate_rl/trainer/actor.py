@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from colocate_rl import platform
 from colocate_rl.algorithms import gap_summary, global_counts, policy_loss
-from colocate_rl.config import Config, fused_logprobs, resolve_fp32_residual
+from colocate_rl.config import Config, fused_logprobs, grouped_experts, resolve_fp32_residual
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
+from colocate_rl.models.grouped_experts import GroupedExperts, grouped_gemm_runs
 from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.norm import RMSNorm
 from colocate_rl.models.registry import exact_samples_on_v2, family_for, model_folder, read_hf_config
@@ -109,6 +110,7 @@ class Actor:
         for m in module.modules():  # actor.norm_kernel (models/norm.py; exact mode stops at config time)
             if isinstance(m, RMSNorm):
                 m.fused = a.norm_kernel == "fused"
+        self._set_expert_kernel(module, grouped_experts(cfg, self.device.type == "cuda"))
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, self.model_path)
         if a.emulate_rollout_fp8:
@@ -122,6 +124,23 @@ class Actor:
         self.reference: Optional[Reference] = None
 
     # ------------------------------------------------------------ build
+
+    def _set_expert_kernel(self, module, grouped: bool) -> None:
+        """actor.expert_kernel on every GroupedExperts layer; an explicit ``grouped`` that this model
+        or device cannot run stops here, an automatic one falls back to sequential with a line."""
+        layers = [m for m in module.modules() if isinstance(m, GroupedExperts)]
+        if not grouped or not layers:
+            return
+        runs = grouped_gemm_runs(self.device.type, self.dtype)
+        if not (runs and all(m.supports_grouped for m in layers)):
+            why = (f"torch's grouped GEMM does not run for {self.dtype} on this {self.device.type}" if not runs else
+                   "the experts have tensor parallelism, a bias, FP8 or a single local expert")
+            if self.cfg.actor.expert_kernel == "grouped":
+                raise ValueError(f"actor.expert_kernel=grouped: {why}")
+            print(f"[actor] actor.expert_kernel=auto: sequential experts ({why})", flush=True)
+            return
+        for m in layers:
+            m.grouped = True
 
     def _wrap(self, module):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

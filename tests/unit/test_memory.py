@@ -113,6 +113,19 @@ def test_fused_logprobs_keep_no_fp32_chunks():
                                                **{"actor.logprob_kernel": "chunked"}).parts["activations"]
 
 
+def test_grouped_experts_count_one_layers_stacked_fc1_and_its_gradient():
+    """On a GPU a bf16 Qwen3-MoE's experts run grouped (actor.expert_kernel=auto): the plan adds the
+    stacked copy of one layer's fc1 weights and their stacked gradient, split by expert parallelism."""
+    def activations(kernel, ep=1):
+        return _plan("Qwen/Qwen3-30B-A3B", "h200", **{"actor.expert_kernel": kernel, "actor.ep": ep,
+                                                      "actor.dp": 8}).parts["activations"]
+
+    fc1 = 128 * 2 * 768 * 2048  # 128 experts' gate and up rows in one layer
+    assert activations("auto") - activations("sequential") == pytest.approx(2 * 2 * fc1, abs=4)
+    assert activations("auto", ep=8) - activations("sequential", ep=8) == pytest.approx(2 * 2 * fc1 / 8, abs=4)
+    assert model_size(known_config("Qwen/Qwen3-8B")).expert_layer == 0
+
+
 def test_published_models_are_counted_from_their_configs():
     assert 0.59e9 < model_size(known_config("Qwen/Qwen3-0.6B")).total < 0.61e9
     assert 8.1e9 < model_size(known_config("Qwen/Qwen3-8B")).total < 8.3e9
@@ -169,10 +182,14 @@ def test_the_plan_prints_what_unset_and_auto_settings_resolve_to():
     printout says what they are on this run (on the CPU: fp32 residual on for bf16, chunked logprobs)."""
     from colocate_rl.plan import resolve
 
-    def described(*over):
-        return resolve(load(Config(model=ModelConfig(path="Qwen/Qwen3-0.6B")),
+    def described(*over, model="Qwen/Qwen3-0.6B"):
+        return resolve(load(Config(model=ModelConfig(path=model)),
                             overrides=["placement.gpus_per_node=0", "model.dtype=bfloat16", *over])).describe()
 
     assert "resolved here: actor.fp32_residual=true, actor.logprob_kernel=chunked" in described()
     assert "resolved here: actor.fp32_residual=false," in described("model.dtype=float32")
     assert "resolved here" not in described("actor.fp32_residual=true", "actor.logprob_kernel=fused")
+    # a MoE's experts: sequential on the CPU (grouped GEMMs on a GPU); a dense model says nothing of them
+    assert "actor.expert_kernel" not in described()
+    moe = described("actor.fp32_residual=true", "actor.logprob_kernel=fused", model="Qwen/Qwen3-30B-A3B")
+    assert "resolved here: actor.expert_kernel=sequential" in moe
