@@ -150,15 +150,22 @@ def main() -> None:
     host = HostMemory()  # the node's used memory from here on, against the plan's host part
     s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)
-    rows = []
+    rows, per_step = [], []
+    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "vllm": __import__("vllm").__version__, "python": pyplatform.python_version(),
+               "date": time.strftime("%Y-%m-%d")}
     try:
         for i in range(args.steps + 1):  # the first step warms up (allocator, kernels)
             m = loop.step(s)
             s.step += 1
-            print(f"step {i}: " + " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("time/")),
-                  flush=True)
+            per_step.append({k[5:]: v for k, v in m.items() if k.startswith("time/")})
+            print(f"step {i}: " + " ".join(f"{k} {v:.3f}" for k, v in per_step[-1].items()), flush=True)
             if i:
                 rows.append(m)
+            if args.out:  # a run cut short (a time limit, a crash) keeps the steps it finished
+                Path(args.out).write_text(json.dumps({
+                    "machine": machine, "settings": vars(args), "partial": f"{i + 1} of {args.steps + 1} steps",
+                    "plan": s.plan.describe(), "phase_s_per_step": per_step}, indent=1) + "\n")
         if args.profile:  # one more step under cProfile, not counted: the profiler slows Python-bound phases
             prof = cProfile.Profile()
             with prof:
@@ -218,12 +225,11 @@ def main() -> None:
     used = s.handoff.machine.peak_used()
     kv = used.get("rollout", 0) - used.get("rollout_weights", 0)
     result = {
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "vllm": __import__("vllm").__version__, "python": pyplatform.python_version(),
-                    "date": time.strftime("%Y-%m-%d")},
+        "machine": machine,
         "settings": vars(args),
         "step_s": step_s,
         "phase_s": phases,
+        "phase_s_per_step": per_step,  # the first one the warm-up
         "handoff_s": sum(phases.get(k, 0) for k in handoff_keys),
         "handoff_share_of_step": sum(phases.get(k, 0) for k in handoff_keys) / step_s,
         "transfers_GBps": {"onload (h2d)": mean("actor/onload_GBps"), "offload (d2h)": mean("actor/offload_GBps"),

@@ -43,8 +43,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, _stacked(weights, transposed=False), offs=offs) \
             if ctx.needs_input_grad[0] else None
-        # dW_e = dy_e^T x_e: the groups run along the token dimension (the GEMMs' K).
-        dw = torch._grouped_mm(dy.t().contiguous(), x.t().contiguous().t(), offs=offs)
+        # dW_e = dy_e^T x_e: the groups run along the token dimension (the GEMMs' K). dy^T column-major
+        # and x row-major, as they lie: a group then starts at a multiple of a row's bytes, which CUDA's
+        # kernel needs 16-byte aligned (with dy^T row-major it needs each expert's token count to be
+        # a multiple of 8 and asserts on the device otherwise).
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)
         return (dx, None, *dw.unbind(0))
 
 
