@@ -171,15 +171,16 @@ class ActorConfig:
     logprob_kernel: str = "auto"
     # How the RMSNorms of a Qwen3 actor run (models/norm.py). eager: ~4 operators forward and ~20
     # backward each, four norms per layer, 28% of a train step's operators; fused: the same
-    # expressions through torch.compile'd kernels, one or two per pass (the first step pays the
-    # compile). A small model's step on a GPU is bound by launching operators; what fused saves
-    # there is measured by scripts/gpu_checks.sh OUT norm-loop, and until then eager is the default.
+    # expressions through torch.compile'd kernels, one or two per pass. On an H200 fused did not
+    # pay: it recompiles for each new micro-batch shape, and once compiled its train phase was no
+    # faster than eager's (handoff_norm_loop_h200.json).
     norm_kernel: str = "eager"
     # How a MoE layer's experts run (models/grouped_experts.py). sequential: megatron-core's
-    # SequentialMLP, two matmuls and the activation per expert (~1,000 operators per layer and
-    # micro-batch at 128 experts); grouped: all local experts in two torch grouped GEMMs, the same
-    # parameters. auto: grouped on a GPU for a 16-bit actor, sequential on the CPU. Exact mode runs
-    # vLLM's fused experts whatever this says.
+    # SequentialMLP, two matmuls and the activation per expert; grouped: all local experts in two
+    # torch grouped GEMMs, the same parameters and bit-for-bit the same results on an H200, where a
+    # Qwen3-30B-A3B layer ran 9.96x as fast (expert_kernels_h200.json) and its 12-layer cut's train
+    # phase 3.85x (handoff_qwen3_30b_a3b_12_1024_experts_h200.json). auto: grouped on a GPU for a
+    # 16-bit actor, sequential on the CPU. Exact mode runs vLLM's fused experts whatever this says.
     expert_kernel: str = "auto"
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
