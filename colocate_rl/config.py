@@ -506,10 +506,12 @@ def fused_logprobs(cfg: Config, on_gpu: bool) -> bool:
 
 def grouped_experts(cfg: Config, on_gpu: bool) -> bool:
     """Whether a MoE actor's experts run through the grouped GEMMs: actor.expert_kernel grouped, or
-    auto on a GPU with a 16-bit actor (torch's CUDA grouped GEMM takes bf16)."""
+    auto on a GPU with a 16-bit actor (torch's CUDA grouped GEMM takes bf16). Not in exact mode (vLLM's
+    fused experts) nor under actor.emulate_rollout_fp8, whose roundings hook each expert's linears."""
     kernel = cfg.actor.expert_kernel
     auto = on_gpu and cfg.model.dtype != "float32"
-    return not cfg.rollout.exact and (kernel == "grouped" or (kernel == "auto" and auto))
+    return not (cfg.rollout.exact or cfg.actor.emulate_rollout_fp8) and \
+        (kernel == "grouped" or (kernel == "auto" and auto))
 
 
 def model_info(cfg: Config) -> dict:
@@ -676,6 +678,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.rollout.exact and cfg.actor.logprob_kernel == "fused":
         raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: "
                           "unset actor.logprob_kernel=fused")
+    if cfg.actor.emulate_rollout_fp8 and cfg.actor.expert_kernel == "grouped":
+        raise ConfigError("actor.emulate_rollout_fp8=true rounds each expert's GEMM inputs through its own linear "
+                          "layer: unset actor.expert_kernel=grouped")
     if cfg.rollout.exact and cfg.actor.norm_kernel == "fused":
         raise ConfigError("rollout.exact=true computes the norms as vLLM's kernels do: unset actor.norm_kernel=fused")
     if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):

@@ -75,15 +75,17 @@ def grouped_gemm_runs(device_type: str, dtype: torch.dtype) -> bool:
 class GroupedExperts(SequentialMLP):
     """SequentialMLP whose forward, when ``grouped`` is set, runs every local expert in two grouped
     GEMMs. The actor sets ``grouped`` (actor.expert_kernel); ``supports_grouped`` says whether this
-    layer can: experts without tensor parallelism, bias or FP8, and with the activation as a module
-    (the Qwen3 spec's SwiGLU)."""
+    layer can: experts without tensor parallelism, bias or FP8, with aligned widths and the
+    activation as a module (the Qwen3 and DeepSeek-V4 specs' SwiGLU, clamped or not)."""
 
     grouped = False
 
     @property
     def supports_grouped(self) -> bool:
         cfg = self.config
-        return (self.tp_group.size() == 1 and not cfg.add_bias_linear and not (cfg.fp8 or cfg.fp4)
+        # Widths in multiples of 8 elements: the grouped GEMM reads rows at 16-byte aligned strides.
+        aligned = cfg.hidden_size % 8 == 0 and cfg.moe_ffn_hidden_size % 8 == 0
+        return (self.tp_group.size() == 1 and not cfg.add_bias_linear and not (cfg.fp8 or cfg.fp4) and aligned
                 and cfg.use_te_activation_func and not cfg.moe_apply_probs_on_input and self.num_local_experts > 1)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,

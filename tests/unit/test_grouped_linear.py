@@ -52,3 +52,23 @@ def test_with_grouped_experts_swaps_only_a_moe_layers_experts():
     assert issubclass(GroupedExperts, SequentialMLP)  # the same modules and parameter names
     dense = before.shared_experts  # an MLP spec without experts comes back as it was
     assert with_grouped_experts(dense) is dense
+
+
+def test_which_runs_resolve_to_grouped_experts():
+    """auto: grouped on a GPU for a 16-bit actor; never in exact mode or under the FP8 emulation
+    (whose hooks on each expert's linears the grouped GEMMs would skip), which refuses an explicit
+    grouped in one line."""
+    from colocate_rl.config import Config, ConfigError, ModelConfig, grouped_experts, load
+
+    def cfg(**over):
+        return load(Config(model=ModelConfig(path="Qwen/Qwen3-30B-A3B")),
+                    overrides=[f"{k}={v}" for k, v in {"model.dtype": "bfloat16", **over}.items()])
+
+    assert grouped_experts(cfg(), on_gpu=True) and not grouped_experts(cfg(), on_gpu=False)
+    assert not grouped_experts(cfg(**{"model.dtype": "float32"}), on_gpu=True)
+    assert grouped_experts(cfg(**{"actor.expert_kernel": "grouped"}), on_gpu=False)
+    assert not grouped_experts(cfg(**{"actor.expert_kernel": "sequential"}), on_gpu=True)
+    fp8 = {"actor.emulate_rollout_fp8": "true", "rollout.weight_quantization": "fp8", "placement.gpus_per_node": 1}
+    assert not grouped_experts(cfg(**fp8), on_gpu=True)
+    with pytest.raises(ConfigError, match="unset actor.expert_kernel=grouped"):
+        cfg(**fp8, **{"actor.expert_kernel": "grouped"})

@@ -163,7 +163,7 @@ FAMILY = register(Family(
     name="deepseek_v4", model_types=("deepseek_v4",), transformer_config=transformer_config,
     layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
     check_rollout=check_rollout, build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor,
-    moe_routing=moe_routing, fp8_emulation=emulate_fp8,
+    moe_routing=moe_routing, fp8_emulation=emulate_fp8, grouped_experts=True,
     # The mini preset's training step held 12.9 GiB beyond weights, gradients and optimizer chunks on
     # an H200 where the standard estimate (memory.activation_bytes's 34 bytes per token and hidden
     # unit, with its 1.15 allowance) says 3.1 (benchmarks/results/dsv4_mini_colocated_h200.json):

@@ -52,6 +52,7 @@ from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, fp8_rounded
 from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, normed_linear,
                                                  rope_cos_sin, unweighted_rms_norm)
 from colocate_rl.models.norm import rms_norm_backward
+from colocate_rl.models.grouped_experts import with_grouped_experts
 from colocate_rl.models.swiglu import SwiGLU, with_activation
 
 
@@ -441,8 +442,9 @@ def moe_layer(config, h: Hparams, layer: int):
     router = functools.partial(_router_class(), hash_vocab=h.vocab_size if h.is_hash(layer) else 0)
     sub = MoESubmodules(experts=sub.experts, shared_experts=functools.partial(sub.shared_experts, gate=False),
                         router=router)
-    # Every expert's clamped SwiGLU keeps only its input for the backward (models/swiglu.py).
-    build = with_activation(functools.partial(MoELayer, submodules=sub), SwiGLU)
+    # Every expert's clamped SwiGLU keeps only its input for the backward (models/swiglu.py); the
+    # experts can run grouped (models/grouped_experts.py, actor.expert_kernel).
+    build = with_grouped_experts(with_activation(functools.partial(MoELayer, submodules=sub), SwiGLU))
     moe = build(config=config, layer_number=layer + 1)
     # Routed experts get an optimizer of their own at every layout. Megatron gives them one (its
     # expert-parallel parameters, allreduce=False) whenever EP > 1 or expert TP != TP, so for this
