@@ -175,7 +175,7 @@ class ActorConfig:
     # pay: it recompiles for each new micro-batch shape, and once compiled its train phase was no
     # faster than eager's (handoff_norm_loop_h200.json).
     norm_kernel: str = "eager"
-    # How a MoE layer's experts run (models/grouped_experts.py). sequential: megatron-core's
+    # How a MoE layer's experts run (Qwen3-MoE, DeepSeek-V4; models/grouped_experts.py). sequential: megatron-core's
     # SequentialMLP, two matmuls and the activation per expert; grouped: all local experts in two
     # torch grouped GEMMs, the same parameters and bit-for-bit the same results on an H200, where a
     # Qwen3-30B-A3B layer ran 9.96x as fast (expert_kernels_h200.json) and its 12-layer cut's train
