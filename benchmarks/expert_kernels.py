@@ -81,7 +81,7 @@ def main() -> None:
     cfg.actor.expert_kernel = "sequential"  # the benchmark switches the layer itself
     actor = Actor(cfg)
     layer = next(m for m in actor.model.modules() if isinstance(m, GroupedExperts))
-    assert layer.supports_grouped, "this layer cannot run grouped"
+    assert layer.why_not_grouped is None, layer.why_not_grouped
     g = torch.Generator(device=next(layer.parameters()).device).manual_seed(0)
     result = {"benchmark": "expert_kernels", "shape": a.shape, "machine": machine_info(), "shapes": []}
     for tokens in a.tokens:  # each shape printed and written as it finishes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -74,19 +75,28 @@ def grouped_gemm_runs(device_type: str, dtype: torch.dtype) -> bool:
 
 class GroupedExperts(SequentialMLP):
     """SequentialMLP whose forward, when ``grouped`` is set, runs every local expert in two grouped
-    GEMMs. The actor sets ``grouped`` (actor.expert_kernel); ``supports_grouped`` says whether this
-    layer can: experts without tensor parallelism, bias or FP8, with aligned widths and the
-    activation as a module (the Qwen3 and DeepSeek-V4 specs' SwiGLU, clamped or not)."""
+    GEMMs. The actor sets ``grouped`` (actor.expert_kernel); ``why_not_grouped`` names what keeps
+    this layer from it (None: it can), the Qwen3 and DeepSeek-V4 specs' experts (SwiGLU, clamped or
+    not) being the ones it serves."""
 
     grouped = False
 
     @property
-    def supports_grouped(self) -> bool:
+    def why_not_grouped(self) -> Optional[str]:
         cfg = self.config
-        # Widths in multiples of 8 elements: the grouped GEMM reads rows at 16-byte aligned strides.
-        aligned = cfg.hidden_size % 8 == 0 and cfg.moe_ffn_hidden_size % 8 == 0
-        return (self.tp_group.size() == 1 and not cfg.add_bias_linear and not (cfg.fp8 or cfg.fp4) and aligned
-                and cfg.use_te_activation_func and not cfg.moe_apply_probs_on_input and self.num_local_experts > 1)
+        for blocked, why in (
+                (self.tp_group.size() > 1, "the experts have tensor parallelism"),
+                (cfg.add_bias_linear, "the experts have a bias"),
+                (cfg.fp8 or cfg.fp4, "the experts run in FP8/FP4"),
+                # the grouped GEMM reads rows at 16-byte aligned strides
+                (cfg.hidden_size % 8 or cfg.moe_ffn_hidden_size % 8,
+                 f"hidden {cfg.hidden_size} or expert width {cfg.moe_ffn_hidden_size} is not a multiple of 8"),
+                (not cfg.use_te_activation_func, "the activation is not a module"),
+                (cfg.moe_apply_probs_on_input, "the routing weights scale the experts' input"),
+                (self.num_local_experts == 1, "each rank holds a single expert")):
+            if blocked:
+                return why
+        return None
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

@@ -131,10 +131,11 @@ class Actor:
         layers = [m for m in module.modules() if isinstance(m, GroupedExperts)]
         if not grouped or not layers:
             return
-        runs = grouped_gemm_runs(self.device.type, self.dtype)
-        if not (runs and all(m.supports_grouped for m in layers)):
-            why = (f"torch's grouped GEMM does not run for {self.dtype} on this {self.device.type}" if not runs else
-                   "the experts have tensor parallelism, a bias, FP8 or a single local expert")
+        reasons = [m.why_not_grouped for m in layers]
+        if not grouped_gemm_runs(self.device.type, self.dtype):
+            reasons.insert(0, f"torch's grouped GEMM does not run for {self.dtype} on this {self.device.type}")
+        why = next((r for r in reasons if r), None)
+        if why:
             if self.cfg.actor.expert_kernel == "grouped":
                 raise ValueError(f"actor.expert_kernel=grouped: {why}")
             print(f"[actor] actor.expert_kernel=auto: sequential experts ({why})", flush=True)
