@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate_rl.config import Config, ModelConfig
 from colocate_rl.models.norm import RMSNorm
 
-from batches import synthetic_batch
+from batches import make_actor, step_view, synthetic_batch
 
 
 class _Cfg:  # the TransformerConfig fields RMSNorm reads
@@ -49,21 +48,15 @@ def test_fused_norm_equals_the_eager_one(shape, dtype, compiling):
 
 
 def test_actor_with_fused_norms_scores_and_trains_as_the_eager_one(tiny_model, compiling):
-    from colocate_rl.trainer import Actor
-
-    path = tiny_model("qwen3-tiny")
-    batch = synthetic_batch([24] * 4, vocab=320, seed=0)
+    path = str(tiny_model("qwen3-tiny"))
     runs = {}
     for kernel in ("eager", "fused"):
-        cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
-        cfg.actor.lr, cfg.actor.norm_kernel = 1e-3, kernel
-        actor = Actor(cfg)
+        actor = make_actor(path, {"norm_kernel": kernel}, dtype="bfloat16")
         assert all(m.fused == (kernel == "fused") for m in actor.model.modules() if isinstance(m, RMSNorm))
-        lp = actor.compute_logprobs(batch)
-        batch.rollout_logprobs = torch.where(batch.loss_mask, lp, 0)
-        runs[kernel] = (lp, actor.train_step(batch, lp)["grad_norm"])
+        view = step_view(actor, [24] * 4)
+        runs[kernel] = (view["before"], view["grad_norm"])
     (lp_e, gn_e), (lp_f, gn_f) = runs["eager"], runs["fused"]
-    m = batch.loss_mask
+    m = synthetic_batch([24] * 4, seed=1).loss_mask  # step_view's batch
     assert m.sum() > 0 and (lp_f - lp_e)[m].abs().mean() < 0.02, (lp_f - lp_e)[m].abs().mean()
     assert gn_e > 0 and gn_f == pytest.approx(gn_e, rel=0.05)
 
