@@ -48,6 +48,67 @@ def copy_limits(nbytes: int = GiB) -> dict[str, float]:
     return out
 
 
+def probe_onload(actor) -> dict:
+    """Where an onload's seconds go, while the actor's parts are on the host (run with
+    --offload all): two unprofiled onload/offload cycles; one onload under torch.profiler (the
+    device's own time in its host-to-device copies, the host's busiest operators); the same host
+    buffers copied into one preallocated device buffer (no storage regrown), and their bytes from
+    one fresh pinned allocation in one copy; a fresh 1 GiB pinned buffer's rates taken now."""
+    off = actor._offload
+    host = [t for t in off._host.values()]
+    nbytes = sum(t.numel() for t in host)
+    fresh = copy_limits()
+    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def raw() -> float:
+        torch.cuda.synchronize()
+        t0, at = time.perf_counter(), 0
+        for t in host:
+            flat[at:at + t.numel()].copy_(t, non_blocking=True)
+            at += t.numel()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    raw()
+    raw_s = min(raw() for _ in range(3))
+    arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # one pinned allocation, same bytes
+    at = 0
+    for t in host:
+        arena[at:at + t.numel()].copy_(t)
+        at += t.numel()
+    flat.copy_(arena, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    flat.copy_(arena, non_blocking=True)
+    torch.cuda.synchronize()
+    arena_s = time.perf_counter() - t0
+    del flat, arena
+    torch.cuda.empty_cache()
+    cycles = []  # unprofiled onload / offload pairs: (GB/s in, GB/s out)
+    for _ in range(2):
+        n_in, s_in = actor.onload()
+        n_out, s_out = actor.offload()
+        cycles.append((n_in / s_in / 1e9, n_out / s_out / 1e9))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        moved, onload_s = actor.onload()
+    copies = [e for e in prof.key_averages() if "Memcpy HtoD" in e.key]
+    device_s = sum(e.device_time_total for e in copies) / 1e6  # profiler times are in us
+    n_copies = sum(e.count for e in copies)
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    offload_moved, offload_s = actor.offload()
+    return {"unprofiled_onload_offload_GBps": cycles,
+            "host_buffers": len(host), "host_bytes": nbytes, "onload_bytes": moved, "onload_s": onload_s,
+            "onload_GBps": moved / onload_s / 1e9, "onload_copies": n_copies, "onload_copy_device_s": device_s,
+            "onload_copy_device_GBps": moved / max(device_s, 1e-9) / 1e9,
+            "same_buffers_into_one_device_buffer_GBps": nbytes / raw_s / 1e9,
+            "one_pinned_arena_one_copy_GBps": nbytes / arena_s / 1e9,
+            "offload_bytes": offload_moved, "offload_GBps": offload_moved / offload_s / 1e9,
+            "limits_now_GBps": fresh,
+            "onload_top_host_ops": [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in top]}
+
+
 def dump(prof: cProfile.Profile, path: str, title: str) -> None:
     """Appends the top functions by cumulative and by own time to ``path``."""
     out = io.StringIO()
@@ -123,6 +184,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.exact=true")
     ap.add_argument("--memory-snapshot", default="",
                     help="on an error (an OOM), write torch's allocator snapshot here: every live block and its stack")
+    ap.add_argument("--probe-onload", action="store_true",
+                    help="after the steps, time one more onload piece by piece (with --offload all)")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="",
                     help="write cProfiles of one extra, untimed step and of both rollouts here")
@@ -159,6 +222,10 @@ def main() -> None:
             m = loop.step(s)
             s.step += 1
             per_step.append({k[5:]: v for k, v in m.items() if k.startswith("time/")})
+            off = getattr(s.actor, "_offload", None)  # the actor in this process: its onload's split
+            if off is not None and m.get("actor/onload_bytes"):
+                per_step[-1].update({f"onload_{k}": v for k, v in off.last_onload_split.items()})
+            per_step[-1].update({k: m[k] for k in ("onload_prefetch_bytes", "onload_prefetch_GBps") if k in m})
             print(f"step {i}: " + " ".join(f"{k} {v:.3f}" for k, v in per_step[-1].items()), flush=True)
             if i:
                 rows.append(m)
@@ -205,6 +272,10 @@ def main() -> None:
                 with prof:
                     fn()
                 dump(prof, args.profile, title)
+        onload_probe = None
+        if args.probe_onload and s.actor.offloaded():
+            onload_probe = probe_onload(s.actor)
+            print("onload probe:", json.dumps(onload_probe), flush=True)
         # Per-token logprob gap (bf16) on that batch, before any update.
         with s.handoff.actor_owned(changes_weights=False):
             lp = s.actor.compute_logprobs(batch)
@@ -235,6 +306,7 @@ def main() -> None:
         "transfers_GBps": {"onload (h2d)": mean("actor/onload_GBps"), "offload (d2h)": mean("actor/offload_GBps"),
                            "weight sync (d2d, IPC)": mean("sync/GBps")},
         "limits_GBps": limits,
+        **({"onload_probe": onload_probe} if onload_probe else {}),
         "sync_bytes": rows[0]["sync/bytes"],
         # The sync's seconds (without its verification): the actor's export and packing, the engine's
         # loading, and the rest (RPC, frees).

@@ -9,7 +9,9 @@
 # exact-curves (the tiny recipe's learning with exact mode off and on), sync30b (Qwen3-30B-A3B's
 # first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and
 # full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers:
-# 1024-token responses; LOOP_SET adds settings, e.g. actor.expert_kernel=sequential), experts (the
+# 1024-token responses; LOOP_SET adds settings, e.g. actor.expert_kernel=sequential), loop30b-4096
+# (the 30B cut at 4096-token responses, 8 prompts), onload-probe (every part offloaded; where an
+# onload's seconds go, with actor.overlap_onload off and on), experts (the
 # grouped experts' GPU test and benchmarks/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
 # tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
 # summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
@@ -76,6 +78,15 @@ if run experts; then  # the grouped experts: their GPU test, then one layer at Q
   python3 benchmarks/expert_kernels.py --out "$out/expert_kernels.json" > "$out/expert_kernels.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/expert_kernels.log" | tail -4
 fi
+if run onload-probe; then  # every part offloaded each step: onload serial (then timed piece by piece), overlapped
+  for overlap in false true; do
+    probe=(); [ $overlap = false ] && probe=(--probe-onload)
+    python3 benchmarks/handoff.py --offload all --steps 2 --set actor.overlap_onload=$overlap \
+      "${probe[@]}" --out "$out/handoff_onload_overlap_$overlap.json" \
+      > "$out/handoff_onload_overlap_$overlap.log" 2>&1 || rc=1
+    grep -vE "INFO|^\(" "$out/handoff_onload_overlap_$overlap.log" | grep -E "^step|onload probe|Error" | tail -8
+  done
+fi
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
@@ -87,10 +98,11 @@ if run loop8b; then
     --out "$out/handoff_8b.json" > "$out/handoff_8b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/handoff_8b.log" | tail -30
 fi
-for group in loop8b-1024:qwen3-8b loop30b-1024:qwen3-30b-a3b@12; do  # real widths, 1024-token responses, one GPU
-  shape="${group#*:}"; name="handoff_${shape/@/_}_1024"
-  if run "${group%%:*}"; then
-    python3 benchmarks/handoff.py --shape "$shape" --prompts 16 --n 8 --tokens 1024 --steps 2 --gpu-mem 0.35 --micro 4 \
+# real widths, long responses, one GPU: group:shape:tokens:prompts
+for group in loop8b-1024:qwen3-8b:1024:16 loop30b-1024:qwen3-30b-a3b@12:1024:16 loop30b-4096:qwen3-30b-a3b@12:4096:8; do
+  IFS=: read -r gname shape tokens prompts <<< "$group"; name="handoff_${shape/@/_}_$tokens"
+  if run "$gname"; then
+    python3 benchmarks/handoff.py --shape "$shape" --prompts "$prompts" --n 8 --tokens "$tokens" --steps 2 --gpu-mem 0.35 --micro 4 \
       --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true ${LOOP_SET:-} \
       --out "$out/$name.json" > "$out/$name.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/$name.log" | tail -20

@@ -118,9 +118,11 @@ class Actor:
         self.model, self.optimizer, self.scheduler = self._wrap(module)
         self._replay = self._routing_replay(module) if cfg.rollout.routing_replay else None
         # Gradients are zeroed before every backward, so offloading them is freeing them.
+        # The optimizer state is read only by the optimizer step: its onload may finish behind the
+        # forward and backward (actor.overlap_onload).
         self._offload = HostOffload(
             {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors},
-            scratch=("grads",))
+            scratch=("grads",), prefetched=("optimizer",) if a.overlap_onload else ())
         self.reference: Optional[Reference] = None
 
     # ------------------------------------------------------------ build
@@ -437,6 +439,7 @@ class Actor:
             lr = self.optimizer.param_groups[0]["lr"]
             # Megatron checks for inf/NaN only under fp16 loss scaling; in bf16/fp32 a NaN gradient
             # would reach Adam and poison every weight. Skip such an update (counted by the loop).
+            self._offload.ready()  # a prefetched optimizer state is on the device before the step reads it
             if self._grads_finite():
                 ok, grad_norm, _ = self.optimizer.step()
             else:
@@ -452,6 +455,9 @@ class Actor:
         out["time_s"] = time.perf_counter() - t0
         out["tokens_per_s"] = out["tokens"] / out["time_s"]
         out["optimizer_steps"] = float(len(steps))
+        prefetched = self._offload.prefetch_stats()
+        if prefetched:  # the copies that ran behind the forward and backward, and their own rate
+            out["onload_prefetch_bytes"], out["onload_prefetch_GBps"] = prefetched[0], prefetched[0] / prefetched[1] / 1e9
         return out
 
     def activation_census(self, batch: RolloutBatch) -> dict[str, int]:
@@ -577,6 +583,7 @@ class Actor:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         self._check_onloaded()
+        self._offload.ready()
         os.makedirs(path, exist_ok=True)
         # A synchronous save writes in threads of this process; megatron-core would otherwise start a
         # spawn-context multiprocessing Manager only to carry their results back, a process that
@@ -595,6 +602,7 @@ class Actor:
         from megatron.core import dist_checkpointing
 
         self._check_onloaded()
+        self._offload.ready()
         saved_ref = bool((dist_checkpointing.load_content_metadata(str(path)) or {}).get(_HAS_REFERENCE))
         if not (saved_ref and self.cfg.algorithm.kl_coef > 0):
             self.reference = None

@@ -15,6 +15,10 @@ the bytes it would have moved both ways (a fifth of the actor's state in bf16 tr
 A *frozen* part does not change while it is on the device (the reference policy of the KL
 penalty), so once its host copy is taken, offloading it only frees the device memory; ``changed``
 says its device bytes were rewritten (loaded from a checkpoint) and the next offload copies again.
+A *prefetched* part is not needed until later in the step (the optimizer state: only the optimizer
+step reads it), so on a GPU its onload copies run on a side stream, behind the forward and backward
+that follow; ``ready()`` makes the current stream wait for them (a device-side wait, no host stall)
+and is called before anything reads the part, and by ``offload``.
 """
 
 from __future__ import annotations
@@ -32,12 +36,20 @@ TensorsFn = Callable[[], Iterable[Optional[torch.Tensor]]]
 class HostOffload:
     """``parts``: name → function listing that part's tensors (duplicates, views and None are fine),
     in ownership order. ``scratch``: the parts among them that are freed rather than copied.
-    ``frozen``: the parts whose host copy, once taken, stays valid (see the module doc)."""
+    ``frozen``: the parts whose host copy, once taken, stays valid; ``prefetched``: the parts whose
+    onload may finish behind later work (see the module doc)."""
 
-    def __init__(self, parts: dict[str, TensorsFn], scratch: Sequence[str] = (), frozen: Sequence[str] = ()):
+    def __init__(self, parts: dict[str, TensorsFn], scratch: Sequence[str] = (), frozen: Sequence[str] = (),
+                 prefetched: Sequence[str] = ()):
         self._parts = parts
         self._scratch = set(self._select(scratch))
         self._frozen = set(self._select(frozen))
+        self._prefetched = set(self._select(prefetched))
+        self._stream = None  # the side stream of prefetched onloads (GPU), made at first use
+        # (begin, end) CUDA events and bytes of the prefetch in flight, then of the one waited for
+        self._pending: Optional[tuple[torch.cuda.Event, torch.cuda.Event, int]] = None
+        self._done: Optional[tuple[torch.cuda.Event, torch.cuda.Event, int]] = None
+        self.last_onload_split: dict[str, float] = {}  # seconds: regrowing the storages, copies waited for
         self._host_valid: set[str] = set()  # frozen parts whose host buffers hold their current bytes
         # part → (storage, its host copy or None for scratch, its size in bytes)
         self._moved: dict[str, list[tuple[torch.UntypedStorage, Optional[torch.Tensor], int]]] = {}
@@ -84,6 +96,7 @@ class HostOffload:
         Returns (bytes copied, seconds)."""
         t0 = time.perf_counter()
         pin = platform.has_gpu()
+        self.ready()
         todo = [p for p in self._select(parts) if p not in self._moved]
         owned = self._owned() if todo else {}
         total = 0
@@ -123,25 +136,76 @@ class HostOffload:
 
     @torch.no_grad()
     def onload(self, parts: Optional[Sequence[str]] = None) -> tuple[int, float]:
-        """Regrows the parts' storages in place and copies their bytes back (scratch parts: zeros).
-        Returns (bytes copied, seconds)."""
+        """Regrows the parts' storages in place and copies their bytes back (scratch parts: zeros);
+        a prefetched part's copies are left running on the side stream (GPU; their bytes and rate
+        come from ``prefetch_stats``). Returns (bytes copied by the return, seconds)."""
         t0 = time.perf_counter()
         pin = platform.has_gpu()
-        total = 0
         todo = [p for p in self._select(parts) if p in self._moved]
-        for part in todo:
-            for s, host, n in self._moved[part]:
+        for part in todo:  # every allocation first: the copies then run back to back
+            for s, _, n in self._moved[part]:
                 s.resize_(n)
+        t_alloc = time.perf_counter()
+        total, side = 0, [p for p in todo if pin and p in self._prefetched]
+        for part in todo:
+            if part in side:
+                continue
+            for s, host, n in self._moved[part]:
                 if host is None:
                     _bytes(s).zero_()
                 else:
                     _bytes(s).copy_(host, non_blocking=pin)
                     total += n
+        if side:
+            self._prefetch(side)
         if pin:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # not the side stream's copies
         for part in todo:
             del self._moved[part]
-        return total, time.perf_counter() - t0
+        done = time.perf_counter()
+        self.last_onload_split = {"alloc_s": t_alloc - t0, "wait_s": done - t_alloc}
+        return total, done - t0
+
+    def _prefetch(self, parts: list[str]) -> None:
+        """Issues the parts' copies on the side stream."""
+        self.ready()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        # The regrown blocks may be ones the current stream's queued work still uses.
+        self._stream.wait_stream(main)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        nbytes = 0
+        with torch.cuda.stream(self._stream):
+            begin.record()
+            for part in parts:
+                for s, host, n in self._moved[part]:
+                    if host is None:
+                        _bytes(s).zero_()
+                    else:
+                        _bytes(s).copy_(host, non_blocking=True)
+                        nbytes += n
+            end.record()
+        self._pending = (begin, end, nbytes)
+
+    def ready(self) -> None:
+        """The current stream waits for a prefetched onload still in flight (no host stall)."""
+        if self._pending is None:
+            return
+        begin, end, nbytes = self._pending
+        torch.cuda.current_stream().wait_event(end)
+        self._pending = None
+        self._done = (begin, end, nbytes)
+
+    def prefetch_stats(self) -> Optional[tuple[int, float]]:
+        """(bytes, device seconds) of the last prefetched onload, once ``ready()`` waited for it
+        (blocks until its copies finished); None when nothing was prefetched since the last call."""
+        if self._done is None:
+            return None
+        begin, end, nbytes = self._done
+        end.synchronize()
+        self._done = None
+        return nbytes, begin.elapsed_time(end) / 1e3
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

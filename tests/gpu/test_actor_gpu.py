@@ -89,8 +89,12 @@ def test_grpo_steps_move_logprobs_by_advantage_sign(tiny_model, shape, dtype):
     assert (moved[batch.advantages > 0] > 0).all() and (moved[batch.advantages < 0] < 0).all(), moved
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["onload", "overlapped_onload"])
 @pytest.mark.parametrize("dtype,distributed_optimizer", [("float32", False), ("bfloat16", True)])
-def test_offload_frees_the_device_and_onload_then_step_is_bit_identical(tiny_model, dtype, distributed_optimizer):
+def test_offload_frees_the_device_and_onload_then_step_is_bit_identical(tiny_model, dtype, distributed_optimizer,
+                                                                         overlap):
+    """overlapped: the optimizer state comes back on a side stream behind the forward and backward
+    (actor.overlap_onload); a step that read it before its copies landed would differ."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     path = tiny_model("qwen3-tiny")
@@ -99,7 +103,7 @@ def test_offload_frees_the_device_and_onload_then_step_is_bit_identical(tiny_mod
     def step(actor):
         lp = actor.compute_logprobs(batch)
         batch.rollout_logprobs = torch.where(batch.loss_mask, lp, 0)
-        actor.train_step(batch, lp)
+        return actor.train_step(batch, lp)
 
     # The math attention kernel has a deterministic backward; the fused ones accumulate atomically.
     with sdpa_kernel(SDPBackend.MATH):
@@ -110,7 +114,7 @@ def test_offload_frees_the_device_and_onload_then_step_is_bit_identical(tiny_mod
         del plain
         torch.cuda.empty_cache()
 
-        actor = make_actor(path, dtype, distributed_optimizer=distributed_optimizer)
+        actor = make_actor(path, dtype, distributed_optimizer=distributed_optimizer, overlap_onload=overlap)
         step(actor)
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()
@@ -121,9 +125,12 @@ def test_offload_frees_the_device_and_onload_then_step_is_bit_identical(tiny_mod
         assert freed >= 0.95 * (moved + moved_params), (freed, moved, moved_params)
         assert all(p.untyped_storage().nbytes() == 0 for p in actor.model.module.parameters())
         back, _ = actor.onload()
-        assert back == moved + moved_params
-        step(actor)
+        m = step(actor)
         got = {n: t.cpu() for n, t in actor.export_hf_weights()}
+    if overlap:  # the onload returned with the parameters; the optimizer state followed during the step
+        assert moved > 0 and back == moved_params and m["onload_prefetch_bytes"] == moved
+    else:
+        assert back == moved + moved_params and "onload_prefetch_bytes" not in m
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     assert any(not torch.equal(synced[n], expected[n]) for n in expected)
 

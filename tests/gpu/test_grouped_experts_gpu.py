@@ -1,6 +1,6 @@
 """actor.expert_kernel=grouped on a GPU (torch's CUDA grouped GEMM): at Qwen3-30B-A3B's expert width
 every expert's product and gradients equal its own F.linear's (an expert without tokens included),
-and a bf16 Qwen3-MoE actor scores and trains as with the sequential experts."""
+and bf16 Qwen3-MoE and DeepSeek-V4 actors score and train as with the sequential experts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from colocate_rl.config import Config, ModelConfig
+from batches import make_actor, step_view, synthetic_batch
 
-from batches import synthetic_batch
+LENS = [24] * 4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -50,25 +50,27 @@ def test_grouped_linear_at_qwen3_30b_a3b_width():
         assert err < 1e-2, (i, err)  # bf16 outputs of fp32 accumulations in another order
 
 
-def test_actor_with_grouped_experts_scores_and_trains_as_the_sequential_one(tiny_model):
+@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "deepseek-v4-tiny"])
+def test_actor_with_grouped_experts_scores_and_trains_as_the_sequential_one(tiny_model, shape):
+    """auto (grouped on a GPU) against sequential, DeepSeek-V4's clamped SwiGLU and hash-routed
+    layers included."""
     from colocate_rl.models.grouped_experts import GroupedExperts
-    from colocate_rl.trainer import Actor
 
-    path = tiny_model("qwen3-moe-tiny")
-    batch = synthetic_batch([24] * 4, vocab=320, seed=0)
+    if shape.startswith("deepseek"):
+        pytest.importorskip("transformers.models.deepseek_v4")
+    path = str(tiny_model(shape, dtype="bfloat16"))
     runs = {}
-    for kernel in ("sequential", "auto"):  # auto: grouped on a GPU
-        cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
-        cfg.actor.lr, cfg.actor.expert_kernel = 1e-3, kernel
-        actor = Actor(cfg)
+    for kernel in ("sequential", "auto"):
+        actor = make_actor(path, {"expert_kernel": kernel}, dtype="bfloat16")
         layers = [m for m in actor.model.modules() if isinstance(m, GroupedExperts)]
-        assert len(layers) == 2 and all(m.grouped == (kernel == "auto") for m in layers)
-        lp = actor.compute_logprobs(batch)
-        batch.rollout_logprobs = torch.where(batch.loss_mask, lp, 0)
-        runs[kernel] = (lp, actor.train_step(batch, lp)["grad_norm"])
+        assert len(layers) >= 2 and all(m.grouped == (kernel == "auto") for m in layers)
+        runs[kernel] = step_view(actor, LENS)
         del actor
         torch.cuda.empty_cache()
-    (lp_s, gn_s), (lp_g, gn_g) = runs["sequential"], runs["auto"]
-    m = batch.loss_mask
-    assert m.sum() > 0 and (lp_g - lp_s)[m].abs().mean() < 0.01, (lp_g - lp_s)[m].abs().mean()
-    assert gn_s > 0 and gn_g == pytest.approx(gn_s, rel=0.02)
+    seq, grp = runs["sequential"], runs["auto"]
+    m = synthetic_batch(LENS, seed=1).loss_mask.to(seq["before"].device)  # step_view's batch
+    assert m.sum() > 0
+    for when in ("before", "after"):  # scoring, and scoring after the optimizer step
+        gap = (grp[when] - seq[when])[m].abs().mean()
+        assert gap < 0.01, (when, gap)
+    assert seq["grad_norm"] > 0 and grp["grad_norm"] == pytest.approx(seq["grad_norm"], rel=0.02)

@@ -24,3 +24,13 @@ def test_frozen_part_is_copied_once_until_changed():
     assert off.offload(("ref",))[0] == 8 * 4
     off.onload(("ref",))
     assert torch.equal(weights, 2 * torch.arange(8.0))
+
+
+def test_a_prefetched_part_on_the_cpu_comes_back_with_the_onload():
+    """Without a GPU there is no side stream: a prefetched part is copied before onload returns."""
+    weights, state = torch.arange(8, dtype=torch.float32), torch.ones(4)
+    off = HostOffload({"params": lambda: [weights], "optimizer": lambda: [state]}, prefetched=("optimizer",))
+    off.offload()
+    assert off.onload()[0] == 8 * 4 + 4 * 4 and torch.equal(state, torch.ones(4))
+    off.ready()
+    assert off.prefetch_stats() is None and set(off.last_onload_split) == {"alloc_s", "wait_s"}
