@@ -125,6 +125,12 @@ class ActorConfig:
     # by kernel launches, and on an H200 64 trained a Qwen3-0.6B-shaped batch 38% faster than 16
     # (benchmarks/results/gpu_vs_trl_h200_micro64.json).
     micro_batch_size: int = 4
+    # > 0: micro-batches by tokens instead of rows (verl's use_dynamic_bsz, slime's
+    # use_dynamic_batch_size): rows, longest first, fill each micro-batch while its rows times its
+    # longest row stay within this many tokens, so short responses run many to a pass and long ones
+    # few; actor.micro_batch_size is then unused. The memory plan counts a micro-batch of this many
+    # tokens (or of one row of the longest, if that is more).
+    micro_batch_tokens: int = 0
     num_minibatches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
     distributed_optimizer: bool = False
     # Colocated: which of the actor's params / grads / optimizer state leave the device while vLLM
@@ -665,6 +671,9 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
         raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
     if cfg.algorithm.is_clamp < 0:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
+    if cfg.actor.micro_batch_tokens < 0:
+        raise ConfigError(f"actor.micro_batch_tokens={cfg.actor.micro_batch_tokens} must be >= 0 (0: "
+                          "actor.micro_batch_size rows per micro-batch)")
     if cfg.rollout.num_engines < 0:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines} must be >= 0 (0: as many as fit)")
     if cfg.actor.sequence_parallel and cfg.actor.tp == 1:

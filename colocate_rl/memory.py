@@ -248,7 +248,8 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         parts["reference"] = parts["actor_params"]
     # Activations of one micro-batch per pipeline stage in flight; full recompute keeps each layer's
     # input (the residual stream) plus one whole layer's activations.
-    tokens = (cfg.data.max_prompt_tokens + r.max_response_tokens) * a.micro_batch_size
+    row = cfg.data.max_prompt_tokens + r.max_response_tokens
+    tokens = max(a.micro_batch_tokens, row) if a.micro_batch_tokens else row * a.micro_batch_size
     layers = size.layers / pp
     rb = 4 if resolve_fp32_residual(cfg, size.fp32_residual) else pb
     per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb,

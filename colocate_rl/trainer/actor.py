@@ -230,6 +230,12 @@ class Actor:
             return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
         return token_logprobs(logits, tokens, temperature, fused=self._fused_logprobs)
 
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's micro-batches of ``rows`` (trainer/batching.py), by actor.micro_batch_tokens or
+        actor.micro_batch_size."""
+        a = self.cfg.actor
+        return rank_micro_batches(rows, lengths, self.dp, self.dp_rank, a.micro_batch_size, a.micro_batch_tokens)
+
     def _check_onloaded(self, part: Optional[str] = None) -> None:
         if self._offload.offloaded(part):
             raise RuntimeError(f"the actor's {part or 'state'} is offloaded: call onload() first")
@@ -311,7 +317,7 @@ class Actor:
         """compute_logprobs of ``model`` (in eval mode), left on the device."""
         b, t = batch.tokens.shape
         lengths = batch.attention_mask.sum(1)
-        mine = rank_micro_batches(torch.arange(b), lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
+        mine = self._micro_batches(torch.arange(b), lengths)
         items = [(batch.select(rows).to(self.device), rows) for rows in mine]
         temperature = self.cfg.rollout.temperature
 
@@ -422,7 +428,7 @@ class Actor:
         steps = []
         for rows in minibatches(batch.size, num_minibatches, self.dp):
             counts = global_counts(batch.loss_mask[rows])
-            mine = rank_micro_batches(rows, lengths, self.dp, self.dp_rank, self.cfg.actor.micro_batch_size)
+            mine = self._micro_batches(rows, lengths)
             # Every micro-batch goes to the device before the first runs: a host-to-device copy
             # waits for the GPU, so one per micro-batch would stall the queue of launched kernels.
             items = [make_item(batch.select(r).to(self.device), r) for r in mine]
@@ -448,7 +454,7 @@ class Actor:
                 self.scheduler.step(increment=1)
             m = self._reduce_metrics(per_micro)
             m.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                     update_skipped=float(not ok))
+                     update_skipped=float(not ok), micro_batches=float(len(items)))
             steps.append(m)
         out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         out["tokens"] = float(batch.attention_mask.sum())

@@ -47,10 +47,15 @@ def _flush(pending: list[tuple[str, torch.Tensor]], alloc: Alloc) -> Bucket:
     flat = alloc(numel, first.dtype, first.device)
     metas, offset = [], 0
     for name, t in pending:
-        n = t.numel()
-        flat[offset : offset + n].view(t.shape).copy_(t)  # strided sources in one copy (reshape would copy first)
-        metas.append(TensorMeta(name, tuple(t.shape), t.dtype, offset, n))
-        offset += n
+        metas.append(TensorMeta(name, tuple(t.shape), t.dtype, offset, t.numel()))
+        offset += t.numel()
+    if all(t.is_contiguous() for _, t in pending):
+        # One cat writes the whole bucket in a few batched kernels: a MoE model exports thousands of
+        # small expert tensors, and a copy each was launch- and Python-bound.
+        torch.cat([t.view(-1) for _, t in pending], out=flat)
+    else:
+        for (_, t), m in zip(pending, metas):  # strided sources in one copy each (reshape would copy first)
+            flat[m.offset : m.offset + m.numel].view(t.shape).copy_(t)
     return Bucket(flat, metas)
 
 

@@ -129,11 +129,16 @@ def test_one_step_takes_old_logprobs_from_its_own_forward(tiny_model):
         make_actor(path, num_minibatches=2).train_step(batch, None)
 
 
-def test_first_step_loss_is_the_full_batch_token_mean(tiny_model):
+@pytest.mark.parametrize("cut", [{"micro_batch_size": 1}, {"micro_batch_tokens": 30}], ids=["rows", "tokens"])
+def test_first_step_loss_is_the_full_batch_token_mean(tiny_model, cut):
     """Ratio 1 on the first step: loss = -mean over all loss tokens of the row's advantage, however
-    the rows are cut into micro-batches (the normaliser is the mini-batch's)."""
-    actor = make_actor(tiny_model("qwen3-tiny"), micro_batch_size=1)
+    the rows are cut into micro-batches (the normaliser is the mini-batch's): one row each, or by
+    tokens (rows of 12, 11 | 10, 9, 7 | 6 tokens at 30 a micro-batch)."""
+    actor = make_actor(tiny_model("qwen3-tiny"), **cut)
     batch = make_batch()
+    if "micro_batch_tokens" in cut:
+        sizes = [len(r) for r in actor._micro_batches(torch.arange(batch.size), batch.attention_mask.sum(1))]
+        assert sizes == [2, 3, 1]
     lp = actor.compute_logprobs(batch)
     batch.rollout_logprobs = torch.where(batch.loss_mask, lp, 0)
     m = actor.train_step(batch, lp)

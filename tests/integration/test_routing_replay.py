@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from colocate_rl.config import Config, ModelConfig
-from colocate_rl.trainer.batching import rank_micro_batches
 from colocate_rl.types import RolloutBatch
 
 from batches import synthetic_batch
@@ -69,8 +68,7 @@ class DispatchLog:
 
 def micro_batches(actor, batch: RolloutBatch) -> list[torch.Tensor]:
     """The rows of each micro-batch, in the order the actor runs them (one rank, one mini-batch)."""
-    return rank_micro_batches(torch.arange(batch.size), batch.attention_mask.sum(1), 1, 0,
-                              actor.cfg.actor.micro_batch_size)
+    return actor._micro_batches(torch.arange(batch.size), batch.attention_mask.sum(1))
 
 
 def as_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:

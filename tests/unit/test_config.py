@@ -223,6 +223,11 @@ def test_optimizer_state_on_host_and_its_dtype():
     assert "actor.optimizer_chunk_mb=0 must be >= 1" in err(["actor.optimizer_chunk_mb=0"])
 
 
+def test_micro_batch_tokens_must_not_be_negative():
+    assert load(base(), overrides=["actor.micro_batch_tokens=16384"]).actor.micro_batch_tokens == 16384
+    assert "actor.micro_batch_tokens=-1 must be >= 0" in err(["actor.micro_batch_tokens=-1"])
+
+
 def test_fp8_emulation_needs_an_fp8_engine_and_a_family_that_has_one(tmp_path):
     from colocate_rl.models.tiny import SHAPES
 

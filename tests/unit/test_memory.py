@@ -193,3 +193,15 @@ def test_the_plan_prints_what_unset_and_auto_settings_resolve_to():
     assert "actor.expert_kernel" not in described()
     moe = described("actor.fp32_residual=true", "actor.logprob_kernel=fused", model="Qwen/Qwen3-30B-A3B")
     assert "resolved here: actor.expert_kernel=sequential" in moe
+
+
+def test_micro_batches_by_tokens_are_planned_by_their_budget():
+    """actor.micro_batch_tokens: the plan's micro-batch is the budget (padding included), as rows of
+    the longest length would be, and never less than one such row (which runs alone)."""
+    row = Config().data.max_prompt_tokens + Config().rollout.max_response_tokens
+    by_rows = _plan("Qwen/Qwen3-8B", "h200", **{"actor.micro_batch_size": 4})
+    by_tokens = _plan("Qwen/Qwen3-8B", "h200", **{"actor.micro_batch_tokens": 4 * row, "actor.micro_batch_size": 1})
+    assert by_tokens.parts["activations"] == by_rows.parts["activations"]
+    tiny, one_row = (_plan("Qwen/Qwen3-8B", "h200", **over) for over in
+                     ({"actor.micro_batch_tokens": row // 2}, {"actor.micro_batch_size": 1}))
+    assert tiny.parts["activations"] == one_row.parts["activations"] < by_rows.parts["activations"]

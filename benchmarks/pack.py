@@ -1,0 +1,134 @@
+"""The weight sync's packing alone: a Qwen3-30B-A3B export's tensors written into 256 MiB buckets,
+one copy per tensor (the earlier form) against one batched cat per bucket (``weight_sync.pack``),
+in one run, with the same bytes checked; next to one copy of all the bytes (the device's limit).
+
+    python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_qwen3_30b_a3b_12_h200.json
+
+Needs only torch (no vLLM, no megatron-core): the tensors are random, at the published config's
+shapes and HF names (48 layers of 128 experts; --layers keeps the first ones, as
+model.synthesize=qwen3-30b-a3b@12 does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as pyplatform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from colocate_rl.weight_sync import buckets  # noqa: E402
+
+# Qwen3-30B-A3B's config.json: hidden 2048, 32 query and 4 key/value heads of 128, 128 experts of
+# width 768, vocabulary 151,936, untied embeddings.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, EXPERT_WIDTH, VOCAB = 2048, 32, 4, 128, 128, 768, 151936
+
+
+def export_like(layers: int, device: str) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, bf16 tensor) in export order, each tensor its own allocation as the actor's are."""
+    def t(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+    out = [("model.embed_tokens.weight", t(VOCAB, HIDDEN))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", t(HIDDEN)), (p + "self_attn.q_proj.weight", t(HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.k_proj.weight", t(KV_HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.v_proj.weight", t(KV_HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.o_proj.weight", t(HIDDEN, HEADS * HEAD_DIM)),
+                (p + "self_attn.q_norm.weight", t(HEAD_DIM)), (p + "self_attn.k_norm.weight", t(HEAD_DIM)),
+                (p + "post_attention_layernorm.weight", t(HIDDEN)), (p + "mlp.gate.weight", t(EXPERTS, HIDDEN))]
+        for e in range(EXPERTS):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", t(EXPERT_WIDTH, HIDDEN)), (q + "up_proj.weight", t(EXPERT_WIDTH, HIDDEN)),
+                    (q + "down_proj.weight", t(HIDDEN, EXPERT_WIDTH))]
+    return out + [("model.norm.weight", t(HIDDEN)), ("lm_head.weight", t(VOCAB, HIDDEN))]
+
+
+def flush_each(pending, alloc):
+    """The earlier bucket writer: one copy (and Python round) per tensor."""
+    numel = sum(t.numel() for _, t in pending)
+    flat = alloc(numel, pending[0][1].dtype, pending[0][1].device)
+    metas, offset = [], 0
+    for name, t in pending:
+        n = t.numel()
+        flat[offset: offset + n].view(t.shape).copy_(t)
+        metas.append(buckets.TensorMeta(name, tuple(t.shape), t.dtype, offset, n))
+        offset += n
+    return buckets.Bucket(flat, metas)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(named, bucket_mb: float, flush, check: bool = False) -> tuple[float, list[int]]:
+    """Seconds to pack every tensor (buckets consumed one at a time, as a sync does); with ``check``
+    (untimed) one sum per bucket instead, to see that both writers wrote the same bytes."""
+    saved, buckets._flush = buckets._flush, flush
+    try:
+        sums = []
+        sync()
+        t0 = time.perf_counter()
+        for b in buckets.pack(named, bucket_mb):
+            if check:
+                sums.append(int(b.flat.view(torch.int16).sum(dtype=torch.int64)))
+        sync()
+        return time.perf_counter() - t0, sums
+    finally:
+        buckets._flush = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    named = export_like(args.layers, device)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    src = torch.empty_like(flat)
+
+    def one_copy() -> float:
+        sync()
+        t0 = time.perf_counter()
+        flat.copy_(src)
+        sync()
+        return time.perf_counter() - t0
+
+    one_copy()
+    limit = statistics.median(one_copy() for _ in range(args.repeat))
+    del flat, src
+    seconds, sums = {}, {}
+    for name, flush in (("per_tensor", flush_each), ("batched", buckets._flush)):
+        sums[name] = run(named, args.bucket_mb, flush, check=True)[1]  # also the warm-up
+        seconds[name] = statistics.median(run(named, args.bucket_mb, flush)[0] for _ in range(args.repeat))
+    assert sums["per_tensor"] == sums["batched"] and len(sums["batched"]) > 0
+    result = {
+        "benchmark": "pack", "layers": args.layers, "tensors": len(named), "bytes": nbytes,
+        "buckets": len(sums["batched"]), "bucket_mb": args.bucket_mb, "repeat": args.repeat,
+        "seconds": seconds, "GBps": {k: nbytes / v / 1e9 for k, v in seconds.items()},
+        "one_copy_of_all_bytes_s": limit, "one_copy_GBps": nbytes / limit / 1e9,
+        "batched_over_per_tensor": seconds["per_tensor"] / seconds["batched"],
+        "same_bytes": True,
+        "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else pyplatform.processor() or "cpu",
+                    "torch": torch.__version__, "python": pyplatform.python_version(),
+                    "date": time.strftime("%Y-%m-%d")},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
