@@ -1,6 +1,7 @@
 """The actor across two gloo processes gives what one process gives: TP=2 (distributed optimizer),
 TP=2 with sequence parallelism (odd-length micro-batches padded), TP=2 with fused logprobs, EP=2
-(experts split, data parallel 2) and PP=2 (tied embeddings across stages). Per layout: logprobs
+(experts split, data parallel 2) and PP=2 (tied embeddings across stages), the last two also with
+micro-batches by tokens. Per layout: logprobs
 before and after one GRPO step, the step's loss and grad norm, and the gathered HF export."""
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ LAYOUTS = [
     ("tp2fused", "qwen3-small", dict(tp=2, logprob_kernel="fused")),  # max and sums all-reduced between kernels
     ("ep2", "qwen3-moe-tiny", dict(ep=2)),
     ("pp2", "qwen3-tiny-tied", dict(pp=2)),
+    # micro-batches by tokens: passes of 1 and 2 rows through the pipeline (shapes sent per micro-batch);
+    # under EP=2 each data-parallel rank runs 3 passes, as the all-to-alls need
+    ("pp2tokens", "qwen3-tiny-tied", dict(pp=2, micro_batch_tokens=20)),
+    ("ep2tokens", "qwen3-moe-tiny", dict(ep=2, micro_batch_tokens=20)),
 ]
 LENS = [12, 9, 11, 6, 10, 7, 12, 5]  # tokens per row of the synthetic batch (4 prompts x 2 samples)
 
