@@ -146,16 +146,8 @@ class HostOffload:
             for s, _, n in self._moved[part]:
                 s.resize_(n)
         t_alloc = time.perf_counter()
-        total, side = 0, [p for p in todo if pin and p in self._prefetched]
-        for part in todo:
-            if part in side:
-                continue
-            for s, host, n in self._moved[part]:
-                if host is None:
-                    _bytes(s).zero_()
-                else:
-                    _bytes(s).copy_(host, non_blocking=pin)
-                    total += n
+        side = [p for p in todo if pin and p in self._prefetched]
+        total = sum(self._copy_back(part, pin) for part in todo if part not in side)
         if side:
             self._prefetch(side)
         if pin:
@@ -175,18 +167,23 @@ class HostOffload:
         # The regrown blocks may be ones the current stream's queued work still uses.
         self._stream.wait_stream(main)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        nbytes = 0
         with torch.cuda.stream(self._stream):
             begin.record()
-            for part in parts:
-                for s, host, n in self._moved[part]:
-                    if host is None:
-                        _bytes(s).zero_()
-                    else:
-                        _bytes(s).copy_(host, non_blocking=True)
-                        nbytes += n
+            nbytes = sum(self._copy_back(part, True) for part in parts)
             end.record()
         self._pending = (begin, end, nbytes)
+
+    def _copy_back(self, part: str, non_blocking: bool) -> int:
+        """The part's host bytes into its regrown storages (scratch: zeros), on the current stream;
+        returns the bytes copied."""
+        total = 0
+        for s, host, n in self._moved[part]:
+            if host is None:
+                _bytes(s).zero_()
+            else:
+                _bytes(s).copy_(host, non_blocking=non_blocking)
+                total += n
+        return total
 
     def ready(self) -> None:
         """The current stream waits for a prefetched onload still in flight (no host stall)."""
