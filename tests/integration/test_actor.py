@@ -214,6 +214,9 @@ def test_offload_onload_then_step_is_bit_identical(tiny_model, dtype, distribute
     moved, _ = actor.offload(("grads", "optimizer"))
     assert actor.offloaded("grads") and not actor.offloaded("params")
     synced = {n: t.clone() for n, t in actor.export_hf_weights()}  # the sync needs params only
+    from colocate_rl.models.mapping import _EXPORT_MAPS
+
+    maps = _EXPORT_MAPS[actor.model.module]  # built by the first export, reused by the next ones
     moved_params, _ = actor.offload(("params",))
     assert all(p.untyped_storage().nbytes() == 0 for p in params)
     fp32 = 4 * sum(p.numel() for p in params)
@@ -230,6 +233,7 @@ def test_offload_onload_then_step_is_bit_identical(tiny_model, dtype, distribute
     assert sum(g.numel() for g in grads) >= sum(p.numel() for p in params) and not any(g.any() for g in grads)
     step(actor)
     got = {n: t.clone() for n, t in actor.export_hf_weights()}
+    assert _EXPORT_MAPS[actor.model.module] is maps
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     assert any(not torch.equal(synced[n], expected[n]) for n in expected)  # the second step changed them
 
