@@ -1,8 +1,13 @@
-"""The weight sync's packing alone: a Qwen3-30B-A3B export's tensors written into 256 MiB buckets,
-one copy per tensor (the earlier form) against one batched cat per bucket (``weight_sync.pack``),
-in one run, with the same bytes checked; next to one copy of all the bytes (the device's limit).
+"""The weight sync's two copies alone, at a Qwen3-30B-A3B export's tensors, next to one copy of all
+the bytes (the device's limit), each in its earlier form and its current one, in one run:
 
-    python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_qwen3_30b_a3b_12_h200.json
+- packing: the tensors written into 256 MiB buckets, one copy per tensor against one batched cat
+  per bucket (``weight_sync.pack``), the same bytes checked;
+- replay: the buckets copied into an engine's parameters laid out as vLLM's (fused q/k/v, experts
+  stacked as w13 [E, 2I, H] and w2 [E, H, I]), one copy per tensor against
+  ``rollout.copy_plan.replay``, the same parameters checked.
+
+    python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_replay_qwen3_30b_a3b_12_h200.json
 
 Needs only torch (no vLLM, no megatron-core): the tensors are random, at the published config's
 shapes and HF names (48 layers of 128 experts; --layers keeps the first ones, as
@@ -23,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from colocate_rl.rollout import copy_plan  # noqa: E402
 from colocate_rl.weight_sync import buckets  # noqa: E402
 
 # Qwen3-30B-A3B's config.json: hidden 2048, 32 query and 4 key/value heads of 128, 128 experts of
@@ -62,6 +68,41 @@ def flush_each(pending, alloc):
         metas.append(buckets.TensorMeta(name, tuple(t.shape), t.dtype, offset, n))
         offset += n
     return buckets.Bucket(flat, metas)
+
+
+def engine_views(named, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """vLLM's parameters for ``named`` at TP=1 and, per tensor in order, the view its loader copies
+    it into: q/k/v into one qkv_proj, each expert's gate/up into w13[e] and down into w2[e]."""
+    params, views, layer = [], [], {}
+
+    def new(*shape):
+        params.append(torch.zeros(*shape, device=device, dtype=torch.bfloat16))
+        return params[-1]
+
+    q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for name, t in named:
+        if ".mlp.experts." in name:
+            i, e = name.split(".")[2], int(name.split(".")[5])
+            if i not in layer:
+                layer = {i: (new(EXPERTS, 2 * EXPERT_WIDTH, HIDDEN), new(EXPERTS, HIDDEN, EXPERT_WIDTH))}
+            w13, w2 = layer[i]
+            kind = name.split(".")[6]
+            views.append(w2[e] if kind == "down_proj" else w13[e, :EXPERT_WIDTH] if kind == "gate_proj"
+                         else w13[e, EXPERT_WIDTH:])
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            if name.endswith("q_proj.weight"):
+                qkv = new(q_rows + 2 * kv_rows, HIDDEN)
+            start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[name.rsplit(".", 2)[1][0]]
+            views.append(qkv[start: start + t.shape[0]])
+        else:
+            views.append(new(*t.shape))
+    return params, views
+
+
+def replay_each(pairs) -> None:
+    """The earlier replay: one copy (and kernel launch) per tensor."""
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def sync() -> None:
@@ -114,13 +155,36 @@ def main() -> None:
         sums[name] = run(named, args.bucket_mb, flush, check=True)[1]  # also the warm-up
         seconds[name] = statistics.median(run(named, args.bucket_mb, flush)[0] for _ in range(args.repeat))
     assert sums["per_tensor"] == sums["batched"] and len(sums["batched"]) > 0
+
+    # Replay: the buckets' views into the engine's parameters, as a sync after the first one does.
+    incoming = [view for b in buckets.pack(named, args.bucket_mb) for view in buckets.unpack(b)]
+    del named
+    params, views = engine_views(incoming, device)
+    pairs = list(zip(views, (t for _, t in incoming)))
+    replayed = {}
+    for name, fn in (("per_tensor", replay_each), ("batched", copy_plan.replay)):
+        for p in params:
+            p.zero_()
+        fn(pairs)
+        replayed[name] = [int(p.view(torch.int16).sum(dtype=torch.int64)) for p in params]
+
+        def timed() -> float:
+            sync()
+            t0 = time.perf_counter()
+            fn(pairs)
+            sync()
+            return time.perf_counter() - t0
+
+        seconds[f"replay_{name}"] = statistics.median(timed() for _ in range(args.repeat))
+    assert replayed["per_tensor"] == replayed["batched"] and any(replayed["batched"])
     result = {
-        "benchmark": "pack", "layers": args.layers, "tensors": len(named), "bytes": nbytes,
+        "benchmark": "pack", "layers": args.layers, "tensors": len(incoming), "bytes": nbytes,
         "buckets": len(sums["batched"]), "bucket_mb": args.bucket_mb, "repeat": args.repeat,
         "seconds": seconds, "GBps": {k: nbytes / v / 1e9 for k, v in seconds.items()},
         "one_copy_of_all_bytes_s": limit, "one_copy_GBps": nbytes / limit / 1e9,
         "batched_over_per_tensor": seconds["per_tensor"] / seconds["batched"],
-        "same_bytes": True,
+        "replay_batched_over_per_tensor": seconds["replay_per_tensor"] / seconds["replay_batched"],
+        "replayed_copies": len(pairs), "same_bytes": True,
         "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else pyplatform.processor() or "cpu",
                     "torch": torch.__version__, "python": pyplatform.python_version(),
                     "date": time.strftime("%Y-%m-%d")},

@@ -6,7 +6,8 @@
 # time), exact-loop (the loop with exact mode off, on), fp32res-loop (with actor.fp32_residual off,
 # on, off), fused-loop (with actor.logprob_kernel chunked, fused, chunked), norm-loop (with
 # actor.norm_kernel eager, fused, eager), logprobs (the logprobs' kernels alone, chunked vs fused),
-# exact-curves (the tiny recipe's learning with exact mode off and on), sync30b (Qwen3-30B-A3B's
+# exact-curves (the tiny recipe's learning with exact mode off and on), pack (the sync's packing and
+# the engine's replayed copies alone at the 30B cut's tensors, each in its earlier and current form), sync30b (Qwen3-30B-A3B's
 # first 12 layers through the weight sync), loop8b (Qwen3-8B through the loop with host Adam and
 # full recompute), loop8b-1024 and loop30b-1024 (Qwen3-8B, Qwen3-30B-A3B's first 12 layers:
 # 1024-token responses; LOOP_SET adds settings, e.g. actor.expert_kernel=sequential), loop30b-4096
@@ -86,6 +87,10 @@ if run onload-probe; then  # every part offloaded each step: onload serial (then
       > "$out/handoff_onload_overlap_$overlap.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/handoff_onload_overlap_$overlap.log" | grep -E "^step|onload probe|Error" | tail -8
   done
+fi
+if run pack; then  # the sync's two copies alone at the 30B cut's tensors (torch only): packing and the engine's replay
+  python3 benchmarks/pack.py --layers 12 --out "$out/pack_replay.json" > "$out/pack_replay.log" 2>&1 || rc=1
+  grep -E '"(per_tensor|batched|replay_[a-z_]+|one_copy_of_all_bytes_s)"' "$out/pack_replay.log" | head -8
 fi
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \

@@ -270,11 +270,15 @@ class IpcReceiver:
             fn, args = handle
             flat = fn(*args)
         bucket = Bucket(flat, metas)
+        if handle is None and flat.is_cuda:
+            # The sender's own block: the caching allocator reuses it only after this stream's copies
+            # out of it, so no wait is needed here.
+            flat.record_stream(torch.cuda.current_stream(flat.device))
         try:
             yield unpack(bucket)
         finally:
             del bucket, flat
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and handle is not None:
                 torch.cuda.synchronize(self.device)  # the copies out of the handle are done before it goes
 
 

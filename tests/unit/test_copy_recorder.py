@@ -62,3 +62,24 @@ def test_a_loader_that_swaps_storage_ends_direct_loading():
     ref = Model()
     ref.load_weights(named)
     assert torch.equal(model.qkv, ref.qkv) and torch.equal(model.embed, ref.embed)
+
+
+def test_replay_batches_what_it_can_and_copies_the_rest(monkeypatch):
+    """Same-layout pairs below the size limit go through one batched copy per dtype; a cast, a
+    strided source and a large pair are copied one by one; every destination ends up equal."""
+    from colocate_rl.rollout import copy_plan
+
+    monkeypatch.setattr(copy_plan, "_BATCH_BELOW_BYTES", 64 * 4)
+    g = torch.Generator().manual_seed(0)
+    w13, big = torch.zeros(4, 6, 3), torch.zeros(32, 4)
+    half, wide = torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 2)
+    src = torch.randn(200, generator=g)
+    pairs = [(w13[e, :3], src[18 * e: 18 * e + 9].view(3, 3)) for e in range(4)]  # gate halves
+    pairs += [(w13[e, 3:], src[18 * e + 9: 18 * e + 18].view(3, 3)) for e in range(4)]  # up halves
+    pairs += [(big, src[72:200].view(32, 4)),  # above the limit: its own copy
+              (half, src[:5]),  # a cast
+              (wide, src[:12].view(3, 4)[:, ::2])]  # a strided source
+    copy_plan.replay(pairs)
+    for dst, s in pairs:
+        assert torch.equal(dst, s.to(dst.dtype))
+    assert torch.equal(w13.view(4, 18), src[:72].view(4, 18)), "every expert slice written"
