@@ -17,6 +17,7 @@ model.synthesize=qwen3-30b-a3b@12 does).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform as pyplatform
 import statistics
@@ -26,10 +27,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+def _module(path: str):
+    """One of the project's torch-only modules, loaded by file: its package's __init__ imports vLLM."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
-from colocate_rl.rollout import copy_plan  # noqa: E402
-from colocate_rl.weight_sync import buckets  # noqa: E402
+
+buckets = _module("colocate_rl/weight_sync/buckets.py")
+copy_plan = _module("colocate_rl/rollout/copy_plan.py")
 
 # Qwen3-30B-A3B's config.json: hidden 2048, 32 query and 4 key/value heads of 128, 128 experts of
 # width 768, vocabulary 151,936, untied embeddings.
