@@ -130,7 +130,9 @@ def sync_and_check(eng, path, tmp_path, seed, bucket_mb, against: str = "hf"):
     states equal: gpu_tests_h200_2026-12-03d.json).
     Returns A (HF model, tensors)."""
     a, b = perturbed(path, tmp_path / "a", seed), perturbed(path, tmp_path / "b", seed + 1000)
-    states = {"a": loaded_state(path, tmp_path / "a"), "b": loaded_state(path, tmp_path / "b")} if against == "engine" else {}
+    states = {}
+    if against == "engine":
+        states = {"a": loaded_state(path, tmp_path / "a"), "b": loaded_state(path, tmp_path / "b")}
     if states:
         assert eng.state_checksums() != states["a"] != states["b"], "control: three different states"
     else:
