@@ -15,6 +15,7 @@ Fused layouts (Megatron, per tensor-parallel rank r of tp):
 
 from __future__ import annotations
 
+import math
 import re
 import weakref
 from dataclasses import dataclass
@@ -228,16 +229,45 @@ def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, dict, dict]:
     return local, layer_stage, dtypes
 
 
+# A run of consecutive parameters that travel the same way (same pipeline stage, expert-parallel owner,
+# tensor-parallel split and dtype) moves in one collective per group, up to this many bytes.
+RUN_BYTES = 256 * 2**20
+
+
+def _flat_views(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(flat[offset: offset + n].view(shape))
+        offset += n
+    return out
+
+
+def _broadcast_flat(tensors: Optional[list[torch.Tensor]], shapes: list[list[int]], dtype: torch.dtype,
+                    dev: torch.device, src: int, group) -> list[torch.Tensor]:
+    """One broadcast of ``tensors`` (held by ``src``; None elsewhere) laid end to end; views of it."""
+    if tensors is not None:
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    else:
+        flat = torch.empty(sum(math.prod(s) for s in shapes), device=dev, dtype=dtype)
+    dist.broadcast(flat, group_src=src, group=group)
+    return _flat_views(flat, shapes)
+
+
 @torch.no_grad()
 def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype] = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (hf_name, full tensor) one at a time, on every rank, in ``specs`` order.
 
     Collective: every rank of the job must iterate to the end (each tensor is gathered over tensor
-    parallelism, broadcast from its expert-parallel owner and from its pipeline stage). Tensors are
-    on this rank's device in the parameters' dtype (or ``dtype``, for those at the model's dtype);
-    a yielded tensor may share storage with a parameter, so consumers copy it before the next
-    optimizer step.
+    parallelism, broadcast from its expert-parallel owner and from its pipeline stage). Consecutive
+    parameters that travel the same way go in one collective of up to ``RUN_BYTES`` per group: at
+    Qwen3-30B-A3B's width a layer's 384 expert matrices (256 parameters) would otherwise be as many
+    broadcasts. Tensors are on this rank's device in the parameters' dtype (or ``dtype``, for those
+    at the model's dtype); a yielded tensor may share storage with a parameter, so consumers copy it
+    before the next optimizer step.
     """
     from megatron.core import parallel_state as ps
 
@@ -250,39 +280,63 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
     num_experts = getattr(model.config, "num_moe_experts", None) or 0
     per_ep = num_experts // ep_size if num_experts else 0
 
-    for spec in specs:
-        if not spec.export:
-            continue
+    def route(spec: ParamSpec) -> tuple:
+        """How ``spec`` travels, the same on every rank: (stage, expert-parallel owner or None,
+        tensor-parallel size it is split over (1: not split), dtype on its owner)."""
         if spec.layer is not None:
             stage = layer_stage.get(spec.layer, 0)
         else:
             stage = pp_size - 1 if spec.stage == "last" else 0
-        tp_rank, tp_size, tp_group = _tp(spec)
-        shards = None
-        if stage == pp_rank:
-            owner_ep = spec.expert // per_ep if spec.expert is not None else ep_rank
-            if owner_ep == ep_rank:
-                p = local[spec.name].detach()
-                if spec.tp_dim is not None and tp_size > 1:
-                    shards = [torch.empty_like(p) for _ in range(tp_size)]
-                    dist.all_gather(shards, p.contiguous(), group=tp_group)
-                else:
-                    shards = [p]
-            if spec.expert is not None and ep_size > 1:
-                if shards is None:
-                    size = tp_size if spec.tp_dim is not None else 1
-                    shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=pdtype) for _ in range(size)]
-                group = ps.get_expert_model_parallel_group()
-                for s in shards:
-                    dist.broadcast(s, group_src=owner_ep, group=group)
+        owner_ep = spec.expert // per_ep if spec.expert is not None else None
+        tp_size = _tp(spec)[1] if spec.tp_dim is not None else 1
+        # Experts travel at the model's dtype (the receivers of an expert-parallel broadcast allocate it);
+        # other parameters at their own, known to every rank of their stage and, under pipeline
+        # parallelism, gathered for the others (_export_maps).
+        if spec.name in dtypes:
+            owned = dtypes[spec.name]
+        elif spec.expert is None and spec.name in local:
+            owned = local[spec.name].dtype
+        else:
+            owned = pdtype
+        return stage, owner_ep, tp_size, owned
+
+    def runs() -> Iterator[tuple[tuple, list[ParamSpec]]]:
+        run: list[ParamSpec] = []
+        key, size = None, 0
+        for spec in specs:
+            if not spec.export:
+                continue
+            k = route(spec)
+            nbytes = math.prod(spec.shape) * torch.empty((), dtype=k[3]).element_size()
+            if run and (k != key or size + nbytes > RUN_BYTES):
+                yield key, run
+                run, size = [], 0
+            run.append(spec)
+            key, size = k, size + nbytes
+        if run:
+            yield key, run
+
+    for (stage, owner_ep, tp_size, owned), run in runs():
+        shapes = [_local_shape(spec, tp_size) if tp_size > 1 else list(spec.shape) for spec in run]
+        shard_shapes = [s for s in shapes for _ in range(tp_size)]  # per parameter, its shards in rank order
+        shards: Optional[list[torch.Tensor]] = None  # flat list: parameter by parameter, shard by shard
+        if stage == pp_rank and owner_ep in (None, ep_rank):
+            params = [local[spec.name].detach() for spec in run]
+            if tp_size > 1:
+                _, _, tp_group = _tp(run[0])
+                mine = torch.cat([p.reshape(-1) for p in params]) if len(params) > 1 else params[0].reshape(-1)
+                gathered = [torch.empty_like(mine) for _ in range(tp_size)]
+                dist.all_gather(gathered, mine.contiguous(), group=tp_group)
+                per_rank = [_flat_views(g, shapes) for g in gathered]
+                shards = [per_rank[r][i] for i in range(len(run)) for r in range(tp_size)]
+            else:
+                shards = params
+        if stage == pp_rank and owner_ep is not None and ep_size > 1:
+            shards = _broadcast_flat(shards, shard_shapes, owned, dev, owner_ep, ps.get_expert_model_parallel_group())
         if pp_size > 1:
-            size = tp_size if spec.tp_dim is not None else 1
-            if shards is None:
-                owner_dtype = dtypes.get(spec.name, pdtype)
-                shards = [torch.empty(_local_shape(spec, tp_size), device=dev, dtype=owner_dtype) for _ in range(size)]
-            for s in shards:
-                dist.broadcast(s, group_src=stage, group=ps.get_pipeline_model_parallel_group())
-        for name, t in unshard(spec, shards):
-            # Only parameters at the model's dtype convert: those a family keeps in fp32 inside a
-            # bf16 model (DeepSeek-V4's mHC mixing, sinks, position biases) travel as they are.
-            yield name, (t if dtype is None or t.dtype == dtype or t.dtype != pdtype else t.to(dtype))
+            shards = _broadcast_flat(shards, shard_shapes, owned, dev, stage, ps.get_pipeline_model_parallel_group())
+        for i, spec in enumerate(run):
+            for name, t in unshard(spec, shards[i * tp_size: (i + 1) * tp_size]):
+                # Only parameters at the model's dtype convert: those a family keeps in fp32 inside a
+                # bf16 model (DeepSeek-V4's mHC mixing, sinks, position biases) travel as they are.
+                yield name, (t if dtype is None or t.dtype == dtype or t.dtype != pdtype else t.to(dtype))
