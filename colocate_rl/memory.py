@@ -272,7 +272,11 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         parts["kv_cache"] = r.kv_cache_memory_mb * 2**20
     else:
         parts["kv_cache"] = max(int(r.gpu_memory_utilization * capacity) - parts["rollout_weights"], 0)
-    parts["sync_buckets"] = int(cfg.sync.bucket_mb * 2**20 + size.largest * pb)
+    # A bucket, and the export's gathered tensors: across ranks, runs of parameters of up to RUN_BYTES.
+    from colocate_rl.models.mapping import RUN_BYTES
+
+    gathered = max(size.largest * pb, RUN_BYTES if tp * pp * ep > 1 else 0)
+    parts["sync_buckets"] = int(cfg.sync.bucket_mb * 2**20 + gathered)
     # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU).
     # Measured on an H200 (0.6B model): with the actor's 10.0 GiB of state and vLLM asleep, 17.0 GiB
     # were in use: ~1 GiB for the actor's context and ~6 for the sleeping engine (CUDA graphs, cuBLAS

@@ -205,3 +205,19 @@ def test_micro_batches_by_tokens_are_planned_by_their_budget():
     tiny, one_row = (_plan("Qwen/Qwen3-8B", "h200", **over) for over in
                      ({"actor.micro_batch_tokens": row // 2}, {"actor.micro_batch_size": 1}))
     assert tiny.parts["activations"] == one_row.parts["activations"] < by_rows.parts["activations"]
+
+
+def test_the_sync_counts_a_bucket_and_what_the_export_gathers():
+    """One rank gathers nothing; the sync phase holds a bucket and the largest tensor. Across ranks the
+    export moves runs of parameters of up to mapping.RUN_BYTES, which counts where it is the larger
+    (a small model: every real Qwen3's embedding is larger)."""
+    from colocate_rl.models.mapping import RUN_BYTES
+
+    bucket = Config().sync.bucket_mb * 2**20
+    for model, largest in (("Qwen/Qwen3-30B-A3B", 151936 * 2048 * 2), ("qwen3-small", 0)):
+        one = _plan(model, "h200", **{"placement.gpus_per_node": 1}).parts["sync_buckets"]
+        two = _plan(model, "h200", **{"placement.gpus_per_node": 2, "actor.tp": 2}).parts["sync_buckets"]
+        if largest:
+            assert one == two == bucket + largest > bucket + RUN_BYTES, model
+        else:
+            assert one < bucket + RUN_BYTES == two, model
