@@ -235,11 +235,10 @@ RUN_BYTES = 256 * 2**20
 
 
 def _flat_views(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``, laid end to end."""
     out, offset = [], 0
     for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         out.append(flat[offset: offset + n].view(shape))
         offset += n
     return out
