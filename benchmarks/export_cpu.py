@@ -78,6 +78,7 @@ def expert_parallel(path: str, ep: int, repeat: int) -> dict:
     try:
         for label, run_bytes in (("one_collective_per_parameter", 0), ("runs", default)):
             mapping.RUN_BYTES = run_bytes
+            mapping._EXPORT_MAPS.clear()  # the runs are cut when the maps are built
             calls["n"] = 0
             exported[label] = {n: t.clone() for n, t in actor.export_hf_weights()}
             run[f"collectives_{label}"] = calls["n"]
@@ -85,6 +86,7 @@ def expert_parallel(path: str, ep: int, repeat: int) -> dict:
                 timed(lambda: sum(1 for _ in actor.export_hf_weights())) for _ in range(repeat))
     finally:
         mapping.dist, mapping.RUN_BYTES = real, default
+        mapping._EXPORT_MAPS.clear()
     a, b = exported.values()
     run["tensors"] = len(b)
     run["same_tensors"] = a.keys() == b.keys() and len(b) > 0 and all(torch.equal(a[n], b[n]) for n in a)

@@ -190,18 +190,26 @@ def _local_shape(spec: ParamSpec, size: int) -> list[int]:
     return shape
 
 
+# A run of consecutive parameters that travel the same way (same pipeline stage, expert-parallel owner,
+# tensor-parallel split and dtype) moves in one collective per group, up to this many bytes.
+RUN_BYTES = 256 * 2**20
+
 # model -> (specs, its export maps): built at a model's first export, reused by every later one.
 _EXPORT_MAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# How a parameter travels: (pipeline stage, expert-parallel owner or None, tensor-parallel size it is
+# split over (1: not split), dtype on its owner).
+Route = tuple[int, Optional[int], int, torch.dtype]
 
-def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, dict, dict]:
-    """(canonical name -> this rank's parameter or checkpoint-carrying buffer, global layer ->
-    pipeline stage, canonical name -> dtype of those kept at another dtype than the model's).
 
-    Walking the modules and canonicalising every name made an export of 4,719 tensors 3.5x as long
+def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, list[tuple[Route, list[ParamSpec]]]]:
+    """(canonical name -> this rank's parameter or checkpoint-carrying buffer, the exported specs cut
+    into runs that travel the same way, each with its route: the same on every rank).
+
+    Walking the modules and canonicalising every name made an export of 4,719 tensors 2.9x as long
     (benchmarks/results/export_cpu.json), and none of it changes between syncs: the parameters are
     the same objects for the model's life (offload and checkpoint loads write into them in place),
-    so the maps are kept per model.
+    and so is the layout, so the maps and the runs are kept per model.
     Collective the first time under pipeline parallelism (every stage calls it then)."""
     from megatron.core import parallel_state as ps
 
@@ -225,13 +233,47 @@ def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, dict, dict]:
         layer_stage = {layer: stage for stage, (layers, _) in enumerate(gathered) for layer in layers}
         for _, stage_odd in gathered:
             dtypes.update(stage_odd)
-    _EXPORT_MAPS[model] = (specs, (local, layer_stage, dtypes))
-    return local, layer_stage, dtypes
+    num_experts = getattr(model.config, "num_moe_experts", None) or 0
+    per_ep = num_experts // ps.get_expert_model_parallel_world_size() if num_experts else 0
+
+    def route(spec: ParamSpec) -> Route:
+        if spec.layer is not None:
+            stage = layer_stage.get(spec.layer, 0)
+        else:
+            stage = pp_size - 1 if spec.stage == "last" else 0
+        owner_ep = spec.expert // per_ep if spec.expert is not None else None
+        tp_size = _tp(spec)[1] if spec.tp_dim is not None else 1
+        # Experts travel at the model's dtype (the receivers of an expert-parallel broadcast allocate it);
+        # other parameters at their own, known to every rank of their stage and, under pipeline
+        # parallelism, gathered for the others (above).
+        if spec.name in dtypes:
+            owned = dtypes[spec.name]
+        elif spec.expert is None and spec.name in local:
+            owned = local[spec.name].dtype
+        else:
+            owned = pdtype
+        return stage, owner_ep, tp_size, owned
+
+    runs: list[tuple[Route, list[ParamSpec]]] = []
+    size = 0
+    for spec in specs:
+        if not spec.export:
+            continue
+        key = route(spec)
+        nbytes = math.prod(spec.shape) * key[3].itemsize
+        if runs and runs[-1][0] == key and size + nbytes <= RUN_BYTES:
+            runs[-1][1].append(spec)
+            size += nbytes
+        else:
+            runs.append((key, [spec]))
+            size = nbytes
+    _EXPORT_MAPS[model] = (specs, (local, runs))
+    return local, runs
 
 
-# A run of consecutive parameters that travel the same way (same pipeline stage, expert-parallel owner,
-# tensor-parallel split and dtype) moves in one collective per group, up to this many bytes.
-RUN_BYTES = 256 * 2**20
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` laid end to end in one 1-D tensor (one alone: flattened, a view where it can be)."""
+    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
 
 
 def _flat_views(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -248,7 +290,7 @@ def _broadcast_flat(tensors: Optional[list[torch.Tensor]], shapes: list[list[int
                     dev: torch.device, src: int, group) -> list[torch.Tensor]:
     """One broadcast of ``tensors`` (held by ``src``; None elsewhere) laid end to end; views of it."""
     if tensors is not None:
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+        flat = _flat(tensors)
     else:
         flat = torch.empty(sum(math.prod(s) for s in shapes), device=dev, dtype=dtype)
     dist.broadcast(flat, group_src=src, group=group)
@@ -270,52 +312,14 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
     """
     from megatron.core import parallel_state as ps
 
-    local, layer_stage, dtypes = _export_maps(model, specs)
+    local, runs = _export_maps(model, specs)
     dev, pdtype = next(iter(local.values())).device, model.config.params_dtype
     pp_size = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
     ep_rank = ps.get_expert_model_parallel_rank()
-    num_experts = getattr(model.config, "num_moe_experts", None) or 0
-    per_ep = num_experts // ep_size if num_experts else 0
 
-    def route(spec: ParamSpec) -> tuple:
-        """How ``spec`` travels, the same on every rank: (stage, expert-parallel owner or None,
-        tensor-parallel size it is split over (1: not split), dtype on its owner)."""
-        if spec.layer is not None:
-            stage = layer_stage.get(spec.layer, 0)
-        else:
-            stage = pp_size - 1 if spec.stage == "last" else 0
-        owner_ep = spec.expert // per_ep if spec.expert is not None else None
-        tp_size = _tp(spec)[1] if spec.tp_dim is not None else 1
-        # Experts travel at the model's dtype (the receivers of an expert-parallel broadcast allocate it);
-        # other parameters at their own, known to every rank of their stage and, under pipeline
-        # parallelism, gathered for the others (_export_maps).
-        if spec.name in dtypes:
-            owned = dtypes[spec.name]
-        elif spec.expert is None and spec.name in local:
-            owned = local[spec.name].dtype
-        else:
-            owned = pdtype
-        return stage, owner_ep, tp_size, owned
-
-    def runs() -> Iterator[tuple[tuple, list[ParamSpec]]]:
-        run: list[ParamSpec] = []
-        key, size = None, 0
-        for spec in specs:
-            if not spec.export:
-                continue
-            k = route(spec)
-            nbytes = math.prod(spec.shape) * torch.empty((), dtype=k[3]).element_size()
-            if run and (k != key or size + nbytes > RUN_BYTES):
-                yield key, run
-                run, size = [], 0
-            run.append(spec)
-            key, size = k, size + nbytes
-        if run:
-            yield key, run
-
-    for (stage, owner_ep, tp_size, owned), run in runs():
+    for (stage, owner_ep, tp_size, owned), run in runs:
         shapes = [_local_shape(spec, tp_size) if tp_size > 1 else list(spec.shape) for spec in run]
         shard_shapes = [s for s in shapes for _ in range(tp_size)]  # per parameter, its shards in rank order
         shards: Optional[list[torch.Tensor]] = None  # flat list: parameter by parameter, shard by shard
@@ -323,9 +327,9 @@ def export_hf_weights(model, specs: list[ParamSpec], dtype: Optional[torch.dtype
             params = [local[spec.name].detach() for spec in run]
             if tp_size > 1:
                 _, _, tp_group = _tp(run[0])
-                mine = torch.cat([p.reshape(-1) for p in params]) if len(params) > 1 else params[0].reshape(-1)
+                mine = _flat(params).contiguous()
                 gathered = [torch.empty_like(mine) for _ in range(tp_size)]
-                dist.all_gather(gathered, mine.contiguous(), group=tp_group)
+                dist.all_gather(gathered, mine, group=tp_group)
                 per_rank = [_flat_views(g, shapes) for g in gathered]
                 shards = [per_rank[r][i] for i in range(len(run)) for r in range(tp_size)]
             else:
