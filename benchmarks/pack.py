@@ -5,7 +5,9 @@ the bytes (the device's limit), each in its earlier form and its current one, in
   per bucket (``weight_sync.pack``), the same bytes checked;
 - replay: the buckets copied into an engine's parameters laid out as vLLM's (fused q/k/v, experts
   stacked as w13 [E, 2I, H] and w2 [E, H, I]), one copy per tensor against
-  ``rollout.copy_plan.replay``, the same parameters checked.
+  ``rollout.copy_plan.replay``, the same parameters checked;
+- the engine's whole load of a bucket through a recorded ``CopyPlan``: per tensor (a view, a
+  lookup, the replay: ``load``) against the bucket's copies resolved once (``replay_bucket``).
 
     python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_replay_qwen3_30b_a3b_12_h200.json
 
@@ -27,16 +29,20 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from colocate_rl.weight_sync import buckets  # noqa: E402  (torch only)
+
+
 def _module(path: str):
     """One of the project's torch-only modules, loaded by file: its package's __init__ imports vLLM."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).resolve().parents[1] / path)
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-buckets = _module("colocate_rl/weight_sync/buckets.py")
 copy_plan = _module("colocate_rl/rollout/copy_plan.py")
 
 # Qwen3-30B-A3B's config.json: hidden 2048, 32 query and 4 key/value heads of 128, 128 experts of
@@ -165,7 +171,8 @@ def main() -> None:
     assert sums["per_tensor"] == sums["batched"] and len(sums["batched"]) > 0
 
     # Replay: the buckets' views into the engine's parameters, as a sync after the first one does.
-    incoming = [view for b in buckets.pack(named, args.bucket_mb) for view in buckets.unpack(b)]
+    packed = list(buckets.pack(named, args.bucket_mb))
+    incoming = [view for b in packed for view in buckets.unpack(b)]
     del named
     params, views = engine_views(incoming, device)
     pairs = list(zip(views, (t for _, t in incoming)))
@@ -185,6 +192,33 @@ def main() -> None:
 
         seconds[f"replay_{name}"] = statistics.median(timed() for _ in range(args.repeat))
     assert replayed["per_tensor"] == replayed["batched"] and any(replayed["batched"])
+
+    # The engine's whole load, Python included: a CopyPlan records the loader's copies on a first
+    # sync, then each bucket loads per tensor (load) or as one resolved layout (replay_bucket).
+    engine = torch.nn.Module()
+    engine.params = torch.nn.ParameterList(torch.nn.Parameter(p, requires_grad=False) for p in params)
+    into = {n: v for (n, _), v in zip(incoming, views)}
+    plan = copy_plan.CopyPlan(engine, lambda loaded: [into[n].copy_(t) for n, t in loaded])
+    with torch.no_grad():
+        for b in packed:
+            plan.load(buckets.unpack(b), bucket=b)
+    assert all(plan.knows(b) for b in packed) and plan.stats()["load_weights"] == 0
+    for name, fn in (("per_tensor", lambda b: plan.load(buckets.unpack(b))), ("bucket", plan.replay_bucket)):
+        for p in params:
+            p.zero_()
+        for b in packed:
+            fn(b)
+        assert [int(p.view(torch.int16).sum(dtype=torch.int64)) for p in params] == replayed["batched"], name
+
+        def timed() -> float:
+            sync()
+            t0 = time.perf_counter()
+            for b in packed:
+                fn(b)
+            sync()
+            return time.perf_counter() - t0
+
+        seconds[f"load_{name}"] = statistics.median(timed() for _ in range(args.repeat))
     result = {
         "benchmark": "pack", "layers": args.layers, "tensors": len(incoming), "bytes": nbytes,
         "buckets": len(sums["batched"]), "bucket_mb": args.bucket_mb, "repeat": args.repeat,
@@ -192,6 +226,7 @@ def main() -> None:
         "one_copy_of_all_bytes_s": limit, "one_copy_GBps": nbytes / limit / 1e9,
         "batched_over_per_tensor": seconds["per_tensor"] / seconds["batched"],
         "replay_batched_over_per_tensor": seconds["replay_per_tensor"] / seconds["replay_batched"],
+        "load_bucket_over_per_tensor": seconds["load_per_tensor"] / seconds["load_bucket"],
         "replayed_copies": len(pairs), "same_bytes": True,
         "machine": {"device": torch.cuda.get_device_name() if device == "cuda" else pyplatform.processor() or "cpu",
                     "torch": torch.__version__, "python": pyplatform.python_version(),

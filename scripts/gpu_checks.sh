@@ -90,7 +90,7 @@ if run onload-probe; then  # every part offloaded each step: onload serial (then
 fi
 if run pack; then  # the sync's two copies alone at the 30B cut's tensors (torch only): packing and the engine's replay
   python3 benchmarks/pack.py --layers 12 --out "$out/pack_replay.json" > "$out/pack_replay.log" 2>&1 || rc=1
-  grep -E '"(per_tensor|batched|replay_[a-z_]+|one_copy_of_all_bytes_s)"' "$out/pack_replay.log" | head -8
+  grep -E '"(per_tensor|batched|replay_[a-z_]+|load_[a-z_]+|one_copy_of_all_bytes_s)"' "$out/pack_replay.log" | head -12
 fi
 if run sync30b; then
   python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \

@@ -18,11 +18,14 @@ ends direct loading for the engine: the recorded views would point at storage th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -40,6 +43,15 @@ class _Copy:
 
 def _storages(model: torch.nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size``."""
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -98,6 +110,11 @@ class _Recorder(TorchDispatchMode):
 _BATCH_BELOW_BYTES = 64 * 2**20
 
 
+def _batchable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+            and dst.numel() * dst.element_size() < _BATCH_BELOW_BYTES)
+
+
 def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every pair. Small same-layout pairs go through one ``_foreach_copy_``
     per dtype, which launches a kernel per ~hundred tensors rather than one per tensor: a MoE model's
@@ -106,8 +123,7 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     memory (each name's loader writes its own slices), so the copies' order does not matter."""
     batched: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
     for dst, src in pairs:
-        if (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
-                and dst.numel() * dst.element_size() < _BATCH_BELOW_BYTES):
+        if _batchable(dst, src):
             dsts, srcs = batched.setdefault((dst.dtype, dst.device), ([], []))
             dsts.append(dst)
             srcs.append(src)
@@ -115,6 +131,58 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             dst.copy_(src)
     for dsts, srcs in batched.values():
         torch._foreach_copy_(dsts, srcs)
+
+
+@dataclass
+class _BucketReplay:
+    """One bucket layout's copies, resolved once. Each sync then cuts the new bucket into
+    consecutive segments with one ``split_with_sizes`` and copies them out in one batch, instead of
+    a view, a lookup and a check per tensor in Python: at 4,719 tensors a sync those took ~40 ms
+    (benchmarks/pack.py, replay_bucket)."""
+
+    sizes: list[int]  # the flat bucket as consecutive segments, sources and the gaps between them
+    batched: tuple[list[torch.Tensor], list[int]]  # destinations and their segments, one _foreach_copy_
+    single: list[tuple[torch.Tensor, int]]  # large or casting copies: one copy_ each
+    strided: list[_Copy]  # sources that are no one segment (offset counted from the flat's start)
+
+    @classmethod
+    def build(cls, flat: torch.Tensor, at: dict[str, int], copies: dict[str, list[_Copy]]) -> _BucketReplay:
+        """``at``: each loaded name's first element in ``flat``; ``copies``: its recorded copies."""
+        runs, strided = [], []
+        for name, start in at.items():
+            for c in copies[name]:
+                n = math.prod(c.size)
+                if n and c.dst.is_contiguous() and c.stride == _contiguous(c.size):
+                    runs.append((start + c.offset, n, c.dst.view(-1)))
+                elif n:
+                    strided.append(_Copy(c.dst, start + c.offset, c.size, c.stride))
+        sizes, dsts, pos = [], [], 0
+        for start, n, dst in sorted(runs, key=lambda r: r[0]):
+            if start < pos:  # a source read twice (into two places): its own view
+                strided.append(_Copy(dst, start, (n,), (1,)))
+                continue
+            if start > pos:
+                sizes.append(start - pos)
+            dsts.append((dst, len(sizes)))
+            sizes.append(n)
+            pos = start + n
+        if pos < flat.numel():
+            sizes.append(flat.numel() - pos)
+        # Every destination here is contiguous and every segment is: _batchable's remaining terms.
+        small = [d.dtype == flat.dtype and d.numel() * d.element_size() < _BATCH_BELOW_BYTES for d, _ in dsts]
+        batched = [pair for pair, b in zip(dsts, small) if b]
+        single = [pair for pair, b in zip(dsts, small) if not b]
+        return cls(sizes, ([d for d, _ in batched], [i for _, i in batched]), single, strided)
+
+    def run(self, flat: torch.Tensor) -> None:
+        segs = flat.split_with_sizes(self.sizes)
+        dsts, idx = self.batched
+        if dsts:
+            torch._foreach_copy_(dsts, [segs[i] for i in idx])
+        for dst, i in self.single:
+            dst.copy_(segs[i])
+        for c in self.strided:
+            c.dst.copy_(flat.as_strided(c.size, c.stride, flat.storage_offset() + c.offset))
 
 
 class CopyPlan:
@@ -128,8 +196,21 @@ class CopyPlan:
         self.slow: set[str] = set()  # names whose loader does more than copy
         self.enabled = True
         self._owned = _storages(model)
+        # Bucket layouts (names, shapes, offsets) whose every tensor replays, resolved once.
+        self._buckets: dict[tuple[TensorMeta, ...], _BucketReplay] = {}
 
-    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def knows(self, bucket: Bucket) -> bool:
+        """Whether a bucket laid out as this one was loaded before with every tensor replayed."""
+        return self.enabled and tuple(bucket.metas) in self._buckets
+
+    def replay_bucket(self, bucket: Bucket) -> None:
+        """Loads a bucket ``knows``: the recorded copies out of its new contents, resolved once."""
+        self._buckets[tuple(bucket.metas)].run(bucket.flat)
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]], bucket: Bucket | None = None) -> None:
+        """Loads ``named``; given the ``bucket`` they are views of, and every one replays, the
+        bucket's layout is remembered for ``replay_bucket``."""
+        named = list(named)
         rest: Named = []
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model view, incoming view) to replay
         for name, t in named:
@@ -144,6 +225,10 @@ class CopyPlan:
         replay(pairs)
         if rest:
             self._load(rest)
+        if bucket is not None and self.enabled and all(n in self.copies for n, _ in named):
+            base = bucket.flat.storage_offset()
+            at = {n: t.storage_offset() - base for n, t in named}
+            self._buckets[tuple(bucket.metas)] = _BucketReplay.build(bucket.flat, at, self.copies)
 
     def _record(self, name: str, t: torch.Tensor) -> None:
         rec = _Recorder(self._owned, t)
@@ -151,7 +236,7 @@ class CopyPlan:
             self._load([(name, t)])
         if _storages(self.model) != self._owned:
             # A loader replaced a parameter's storage: recorded views may point at dropped memory.
-            self.enabled, self.copies = False, {}
+            self.enabled, self.copies, self._buckets = False, {}, {}
         elif rec.replayable:
             self.copies[name] = rec.copies
         else:

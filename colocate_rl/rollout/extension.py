@@ -42,6 +42,7 @@ import torch
 from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.copy_plan import CopyPlan
 from colocate_rl.rollout.reload import LayerwiseSync, vllm_name
+from colocate_rl.weight_sync.buckets import Bucket, unpack
 from colocate_rl.weight_sync.ipc import IpcReceiver, Message, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -159,9 +160,9 @@ class WeightReceiver:
         """Loads this device's entry of ``message``: {"tensors": n, "bytes": b, "seconds": time here}."""
         t0 = time.perf_counter()
         st = self._crl_state()
-        with st["receiver"].open(message) as named:
-            n, nbytes = self._crl_take(named, st)
-            del named
+        with st["receiver"].open(message) as bucket:
+            n, nbytes = self._crl_take(bucket, st)
+            del bucket
         return {"tensors": n, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
     def init_weight_broadcast(self, spec: dict[str, Any], first_rank: int) -> int:
@@ -186,8 +187,8 @@ class WeightReceiver:
         if oneshot:
             self.begin_weight_sync()
 
-        def load(named: list[tuple[str, torch.Tensor]]) -> None:
-            counts["tensors"] += self._crl_take(named, st)[0]
+        def load(bucket: Bucket) -> None:
+            counts["tensors"] += self._crl_take(bucket, st)[0]
 
         try:
             stats = group.receive(load)
@@ -294,25 +295,36 @@ class WeightReceiver:
                     f"weight sync: tensor '{name}' has shape {tuple(t.shape)}, the engine expects {shapes[name]}"
                 )
 
-    def _crl_take(self, named: list[tuple[str, torch.Tensor]], st: dict[str, Any]) -> tuple[int, int]:
+    def _crl_take(self, bucket: Bucket, st: dict[str, Any]) -> tuple[int, int]:
         """Checks then loads one bucket, whatever carried it (IPC handle or broadcast); a bucket
-        outside begin/end is a sync of its own. Returns (tensors, bytes)."""
-        self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
-        named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
+        outside begin/end is a sync of its own. Returns (tensors, bytes).
+
+        A bucket laid out as one loaded before (the same names, shapes and offsets: every sync after
+        the first) was checked then, and its copies replay whole (copy_plan.CopyPlan.replay_bucket)."""
         oneshot = not st["active"]
+        # A one-shot sync begins direct; a copy plan exists only where direct loading can run.
+        plan = st.get("copy_plan") if oneshot or (st["direct"] and "reload" not in st) else None
+        known = plan is not None and plan.knows(bucket)
+        if not known:
+            named = unpack(bucket)
+            self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
+            named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
         if oneshot:
             self.begin_weight_sync()
-        st["received"].update(n for n, _ in named)
+        st["received"].update(m.name for m in bucket.metas)
         try:
-            self._crl_load(named)
+            if known:
+                plan.replay_bucket(bucket)
+            else:
+                self._crl_load(named, bucket)
         except BaseException:
             self.abort_weight_sync()
             raise
         if oneshot:
             self.end_weight_sync()
-        return len(named), sum(t.numel() * t.element_size() for _, t in named)
+        return len(bucket.metas), bucket.nbytes
 
-    def _crl_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _crl_load(self, named: list[tuple[str, torch.Tensor]], bucket: Bucket) -> None:
         from vllm.config import set_current_vllm_config
 
         st = self._crl_state()
@@ -321,7 +333,7 @@ class WeightReceiver:
             if reload is not None:
                 reload.load(named)
             elif st["direct"]:
-                st["copy_plan"].load(named)
+                st["copy_plan"].load(named, bucket)
             else:
                 self._crl_model().load_weights(iter(named))
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from colocate_rl.config import first_line
 from colocate_rl.ports import tcp_store
-from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
 
 
@@ -199,9 +199,9 @@ class BroadcastGroup:
         raw = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return metas, raw, self._start(raw)
 
-    def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> SyncStats:
-        """Ranks > 0: ``load(named views)`` per bucket until the end marker; bucket k is loaded
-        while bucket k+1 arrives. The views are valid only during the call."""
+    def receive(self, load: Callable[[Bucket], None]) -> SyncStats:
+        """Ranks > 0: ``load(bucket)`` per bucket until the end marker; bucket k is loaded while
+        bucket k+1 arrives. The bucket's memory is valid only during the call."""
         if self.rank == 0:
             raise RuntimeError(f"{self._who()}: rank 0 sends, it does not receive")
         stats, t0, i = SyncStats(), time.perf_counter(), 0
@@ -212,7 +212,7 @@ class BroadcastGroup:
             self._wait(work, f"bucket {i}", i)
             nxt = self._next(i + 1)  # starts the next transfer before this bucket is loaded
             flat = raw.view(metas[0].dtype)
-            load(unpack(Bucket(flat, metas)))
+            load(Bucket(flat, metas))
             stats.bytes += raw.numel()
             stats.buckets += 1
             i += 1

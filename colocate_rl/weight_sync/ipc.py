@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, pack, unpack
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, pack
 
 Message = dict[str, bytes]  # device UUID -> pickled ((rebuild_fn, args), metas, origin)
 
@@ -252,8 +252,8 @@ class IpcReceiver:
         return message[self.uuid]
 
     @contextmanager
-    def open(self, message: Message) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yields (name, view) of the bucket; the mapping/handle is dropped on exit."""
+    def open(self, message: Message) -> Iterator[Bucket]:
+        """Yields the bucket (``unpack`` names its tensors); the mapping/handle is dropped on exit."""
         handle, metas, (pid, token) = pickle.loads(self.payload(message))  # CPU: maps the shared memory now
         if handle is None:
             flat = _SENT.get(token) if pid == os.getpid() else None
@@ -275,7 +275,7 @@ class IpcReceiver:
             # out of it, so no wait is needed here.
             flat.record_stream(torch.cuda.current_stream(flat.device))
         try:
-            yield unpack(bucket)
+            yield bucket
         finally:
             del bucket, flat
             if self.device.type == "cuda" and handle is not None:

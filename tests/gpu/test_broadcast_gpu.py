@@ -15,7 +15,7 @@ if torch.cuda.device_count() < 2:
 import torch.multiprocessing as mp
 
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
-from colocate_rl.weight_sync.buckets import pack
+from colocate_rl.weight_sync.buckets import pack, unpack
 from colocate_rl.weight_sync.fp8 import quantize_named
 
 
@@ -49,7 +49,7 @@ def _member(rank: int, spec: GroupSpec, mode: str, q) -> None:
             q.put(("silent", None))
         else:
             got = {}
-            group.receive(lambda views: got.update({n: t.view(torch.uint8).cpu().clone() for n, t in views}))
+            group.receive(lambda b: got.update({n: t.view(torch.uint8).cpu().clone() for n, t in unpack(b)}))
             want = {n: t.view(torch.uint8).cpu() for n, t in _named(dev)}
             q.put(("equal", set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)))
     except BroadcastTimeout as e:

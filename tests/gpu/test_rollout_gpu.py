@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import torch.multiprocessing as mp
 
 from colocate_rl.types import Sample
-from colocate_rl.weight_sync import IpcReceiver, IpcSender, WeightSyncError, device_uuid, tensor_checksum
+from colocate_rl.weight_sync import IpcReceiver, IpcSender, WeightSyncError, device_uuid, tensor_checksum, unpack
 
 PROMPTS = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
 # fp32 on both sides; GPU kernels (FlexAttention / cuBLAS) order fp32 sums differently from the
@@ -165,8 +165,8 @@ def _receive_on_own_gpu(message, replies):
     """Child process: its CUDA_VISIBLE_DEVICES shows it a single GPU, as cuda:0."""
     receiver = IpcReceiver("cuda")
     try:
-        with receiver.open(message) as named:
-            replies.put((receiver.uuid, {n: tensor_checksum(t) for n, t in named}))
+        with receiver.open(message) as bucket:
+            replies.put((receiver.uuid, {n: tensor_checksum(t) for n, t in unpack(bucket)}))
     except WeightSyncError as e:
         replies.put((receiver.uuid, str(e)))
 

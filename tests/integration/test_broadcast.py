@@ -12,7 +12,7 @@ import torch
 
 from colocate_rl.ports import reserve_port
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
-from colocate_rl.weight_sync.buckets import pack
+from colocate_rl.weight_sync.buckets import pack, unpack
 from colocate_rl.weight_sync.fp8 import quantize_named
 
 
@@ -48,7 +48,7 @@ def test_round_trip_many_buckets_and_fp8():
     def receiver():
         group = BroadcastGroup(spec, 1)
         try:
-            return group.receive(lambda views: received.update({n: t.clone() for n, t in views}))
+            return group.receive(lambda b: received.update({n: t.clone() for n, t in unpack(b)}))
         finally:
             group.close()
 
@@ -97,7 +97,7 @@ def test_timeout_names_the_member_that_stopped_mid_sync():
         group = BroadcastGroup(spec, 1)
         seen = []
 
-        def load(views):
+        def load(bucket):
             seen.append(1)
             if len(seen) == 2:
                 got_two.set()
@@ -113,7 +113,7 @@ def test_timeout_names_the_member_that_stopped_mid_sync():
     def keeps_up():
         group = BroadcastGroup(spec, 2)
         try:
-            group.receive(lambda views: None)
+            group.receive(lambda bucket: None)
         except BroadcastTimeout:
             pass
         finally:

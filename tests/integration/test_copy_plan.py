@@ -1,8 +1,9 @@
 """Direct loading (rollout/copy_plan.py) against vLLM's own load_weights, on real vLLM models.
 
 The engine runs in-process so the test holds its model. Three syncs of different weights arrive as
-views of one flat bucket, as IPC delivers them; after each, the model's parameters must equal, bit
-for bit, what ``load_weights`` makes of the same tensors. On CPU vLLM serves from repacked copies,
+one flat bucket, as IPC delivers them: the first loads per tensor and records, the next two replay
+the bucket's resolved copies whole. After each, the model's parameters must equal, bit for bit,
+what ``load_weights`` makes of the same tensors. On CPU vLLM serves from repacked copies,
 so the model loaded here is a second instance of the engine's model class, built by vLLM in the
 engine's worker (its config and parallel groups) and compared parameter by parameter; the GPU tier
 loads into the live engine and samples through it (tests/gpu/test_sync_direct_gpu.py).
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from colocate_rl.rollout.copy_plan import CopyPlan
 from colocate_rl.rollout.engine import RolloutEngine
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
 from test_rollout import make_cfg
 
 
@@ -40,15 +42,15 @@ def _model(engine: RolloutEngine) -> torch.nn.Module:
     return model
 
 
-def _bucket(ckpt: dict[str, torch.Tensor], seed: int) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint moved by seeded noise, as contiguous views of one flat tensor."""
+def _bucket(ckpt: dict[str, torch.Tensor], seed: int) -> Bucket:
+    """The checkpoint moved by seeded noise, in one flat bucket."""
     g = torch.Generator().manual_seed(seed)
     flat = torch.cat([(t.float() + 0.01 * torch.randn(t.shape, generator=g)).reshape(-1) for t in ckpt.values()])
-    out, at = [], 0
+    metas, at = [], 0
     for name, t in ckpt.items():
-        out.append((name, flat[at : at + t.numel()].view(t.shape)))
+        metas.append(TensorMeta(name, tuple(t.shape), flat.dtype, at, t.numel()))
         at += t.numel()
-    return out
+    return Bucket(flat, metas)
 
 
 @pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-moe-tiny"])
@@ -59,9 +61,14 @@ def test_replayed_copies_equal_load_weights(tiny_model, shape):
         model = _model(engine)
         plan = CopyPlan(model, lambda named: model.load_weights(iter(named)))
         for seed in range(3):
-            named = _bucket(ckpt, seed)
+            bucket = _bucket(ckpt, seed)
+            named = unpack(bucket)
             with torch.no_grad():
-                plan.load(named)
+                if seed == 0:
+                    plan.load(named, bucket)  # records the copies and the bucket's layout
+                else:
+                    assert plan.knows(bucket)
+                    plan.replay_bucket(bucket)  # the whole bucket through its resolved copies
                 got = {n: p.detach().clone() for n, p in model.named_parameters()}
                 model.load_weights(iter(named))
             changed = 0

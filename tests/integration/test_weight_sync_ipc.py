@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from colocate_rl.weight_sync.buckets import unpack
 from colocate_rl.weight_sync.ipc import IpcReceiver, IpcSender, WeightSyncError, device_uuid, merge_messages
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -19,8 +20,8 @@ def _receiver_loop(requests, replies):
     replies.put(receiver.uuid)
     while (message := requests.get()) is not None:
         try:
-            with receiver.open(message) as named:
-                replies.put({name: tensor_checksum(t) for name, t in named})
+            with receiver.open(message) as bucket:
+                replies.put({name: tensor_checksum(t) for name, t in unpack(bucket)})
         except WeightSyncError as e:
             replies.put(str(e))
 
@@ -86,8 +87,8 @@ def test_payload_is_plain_bytes_per_device():
     message = sender.make_message(bucket)
     assert list(message) == [sender.uuid] and isinstance(message[sender.uuid], bytes)
     # The same process can load it too (in-process engines).
-    with IpcReceiver("cpu").open(message) as named:
-        assert [n for n, _ in named] == [m.name for m in bucket.metas]
+    with IpcReceiver("cpu").open(message) as got:
+        assert [n for n, _ in unpack(got)] == [m.name for m in bucket.metas]
     assert sender.release() == 0
     pickle.dumps(message)  # travels through any RPC that takes bytes
 
@@ -99,7 +100,8 @@ def test_same_process_payload_carries_no_handle(child):
     src = _tensors()[:2]
     (bucket,) = list(sender.buckets(iter(src), bucket_mb=8))
     message = sender.make_message(bucket)
-    with IpcReceiver("cpu").open(message) as named:
+    with IpcReceiver("cpu").open(message) as got:
+        named = unpack(got)
         assert {n: tensor_checksum(t) for n, t in named} == {n: tensor_checksum(t) for n, t in src}
         assert named[0][1].data_ptr() == bucket.flat.data_ptr(), "no copy, no mapping: the same memory"
     assert sender.release() == 0

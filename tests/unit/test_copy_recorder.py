@@ -4,9 +4,12 @@ computes, and one that swaps a parameter's storage. Real vLLM loaders: tests/int
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from colocate_rl.rollout.copy_plan import CopyPlan
+from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
 
 
 class Model(torch.nn.Module):
@@ -83,3 +86,70 @@ def test_replay_batches_what_it_can_and_copies_the_rest(monkeypatch):
     for dst, s in pairs:
         assert torch.equal(dst, s.to(dst.dtype))
     assert torch.equal(w13.view(4, 18), src[:72].view(4, 18)), "every expert slice written"
+
+
+class Loaders(torch.nn.Module):
+    """Loaders whose sources are one segment of the bucket, a strided view, and a segment read into
+    two places; ``bf16`` takes a cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.zeros(2, 6, 3))
+        self.cols = torch.nn.Parameter(torch.zeros(4, 2))
+        self.twice = torch.nn.Parameter(torch.zeros(2, 5))
+        self.bf16 = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+
+    def load_weights(self, named) -> None:
+        for name, t in named:
+            if name.startswith(("gate", "up")):  # expert e's half of w13
+                e = int(name[-1])
+                self.w13.data[e, : 3 if name.startswith("gate") else 6][-3:].copy_(t)
+            elif name == "cols":
+                self.cols.data.copy_(t[:, 1::2])  # strided: every other column
+            elif name == "twice":
+                self.twice.data[0].copy_(t)
+                self.twice.data[1].copy_(t)
+            elif name == "bf16":
+                self.bf16.data.copy_(t)
+
+
+def _bucket(seed: int) -> Bucket:
+    names = [("gate0", (3, 3)), ("up0", (3, 3)), ("gate1", (3, 3)), ("up1", (3, 3)), ("cols", (4, 4)),
+             ("twice", (5,)), ("bf16", (5,))]
+    metas, at = [], 0
+    for name, shape in names:
+        metas.append(TensorMeta(name, shape, torch.float32, at, math.prod(shape)))
+        at += math.prod(shape)
+    flat = torch.randn(at + 3, generator=torch.Generator().manual_seed(seed))[3:]  # not at its storage's start
+    return Bucket(flat, metas)
+
+
+def test_a_bucket_layout_replays_whole_and_equals_the_loaders():
+    """After one load, a bucket laid out the same way replays as one resolved set of copies: the
+    segments, a strided source, a source read twice and a cast all land as load_weights puts them."""
+    model = Loaders()
+    plan = CopyPlan(model, model.load_weights)
+    first = _bucket(0)
+    assert not plan.knows(first)
+    plan.load(unpack(first), first)
+    assert plan.knows(first) and plan.stats()["load_weights"] == 0
+    for seed in (1, 2):
+        b = _bucket(seed)
+        assert plan.knows(b), "same names, shapes and offsets: the same layout"
+        plan.replay_bucket(b)
+        ref = Loaders()
+        ref.load_weights(unpack(b))
+        for (name, got), (_, want) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(got, want), (seed, name)
+    other = Bucket(first.flat, first.metas[:-1])
+    assert not plan.knows(other), "another layout is loaded per tensor first"
+
+
+def test_a_bucket_with_a_computing_loader_is_not_replayed_whole():
+    model = Model()
+    plan = CopyPlan(model, model.load_weights)
+    named = bucket(0)
+    flat = named[0][1].view(-1)  # the bucket's views start at its flat tensor
+    metas = [TensorMeta(n, tuple(t.shape), t.dtype, t.storage_offset(), t.numel()) for n, t in named]
+    plan.load(named, Bucket(flat.as_strided((44,), (1,), 0), metas))
+    assert "norm" in plan.slow and not plan.knows(Bucket(flat, metas))
