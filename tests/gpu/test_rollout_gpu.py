@@ -155,8 +155,8 @@ def test_bucket_round_trip_on_gpu():
     sender = IpcSender("cuda", same_process=True)
     src = [("a", torch.randn(64, 32, device="cuda")), ("b", torch.randn((), device="cuda"))]
     (bucket,) = list(sender.buckets(iter(src), bucket_mb=1))
-    with IpcReceiver("cuda").open(sender.make_message(bucket)) as named:
-        got = {n: tensor_checksum(t) for n, t in named}
+    with IpcReceiver("cuda").open(sender.make_message(bucket)) as got_bucket:
+        got = {n: tensor_checksum(t) for n, t in unpack(got_bucket)}
     assert got == {n: tensor_checksum(t) for n, t in src}
     sender.release()
 
