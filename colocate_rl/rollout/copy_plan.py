@@ -137,8 +137,9 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 class _BucketReplay:
     """One bucket layout's copies, resolved once. Each sync then cuts the new bucket into
     consecutive segments with one ``split_with_sizes`` and copies them out in one batch, instead of
-    a view, a lookup and a check per tensor in Python: at 4,719 tensors a sync those took ~40 ms
-    (benchmarks/pack.py, replay_bucket)."""
+    a view, a lookup and a check per tensor in Python: for the 4,719 tensors of 12 of
+    Qwen3-30B-A3B's layers, 0.0127 s against 0.061 s on an H200
+    (benchmarks/results/pack_replay_bucket_qwen3_30b_a3b_12_h200.json)."""
 
     sizes: list[int]  # the flat bucket as consecutive segments, sources and the gaps between them
     batched: tuple[list[torch.Tensor], list[int]]  # destinations and their segments, one _foreach_copy_
@@ -203,6 +204,7 @@ class CopyPlan:
         """Whether a bucket laid out as this one was loaded before with every tensor replayed."""
         return self.enabled and tuple(bucket.metas) in self._buckets
 
+    @torch.no_grad()
     def replay_bucket(self, bucket: Bucket) -> None:
         """Loads a bucket ``knows``: the recorded copies out of its new contents, resolved once."""
         self._buckets[tuple(bucket.metas)].run(bucket.flat)
