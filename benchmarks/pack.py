@@ -7,7 +7,7 @@ the bytes (the device's limit), each in its earlier form and its current one, in
   stacked as w13 [E, 2I, H] and w2 [E, H, I]), one copy per tensor against
   ``rollout.copy_plan.replay``, the same parameters checked;
 - the engine's whole load of a bucket through a recorded ``CopyPlan``: per tensor (a view, a
-  lookup, the replay: ``load``) against the bucket's copies resolved once (``replay_bucket``).
+  lookup, the replay: ``load``) against the bucket's copies resolved once (``resolved``).
 
     python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_replay_qwen3_30b_a3b_12_h200.json
 
@@ -194,7 +194,7 @@ def main() -> None:
     assert replayed["per_tensor"] == replayed["batched"] and any(replayed["batched"])
 
     # The engine's whole load, Python included: a CopyPlan records the loader's copies on a first
-    # sync, then each bucket loads per tensor (load) or as one resolved layout (replay_bucket).
+    # sync, then each bucket loads per tensor (load) or as one resolved layout (resolved(b).run).
     engine = torch.nn.Module()
     engine.params = torch.nn.ParameterList(torch.nn.Parameter(p, requires_grad=False) for p in params)
     into = {n: v for (n, _), v in zip(incoming, views)}
@@ -202,8 +202,9 @@ def main() -> None:
     with torch.no_grad():
         for b in packed:
             plan.load(buckets.unpack(b), bucket=b)
-    assert all(plan.knows(b) for b in packed) and plan.stats()["load_weights"] == 0
-    for name, fn in (("per_tensor", lambda b: plan.load(buckets.unpack(b))), ("bucket", plan.replay_bucket)):
+    assert all(plan.resolved(b) is not None for b in packed) and plan.stats()["load_weights"] == 0
+    for name, fn in (("per_tensor", lambda b: plan.load(buckets.unpack(b))),
+                     ("bucket", lambda b: plan.resolved(b).run(b.flat))):
         for p in params:
             p.zero_()
         for b in packed:

@@ -45,15 +45,6 @@ def _storages(model: torch.nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
 
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``size``."""
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last] storage element a strided view touches (non-negative strides)."""
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
@@ -134,7 +125,7 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 @dataclass
-class _BucketReplay:
+class BucketCopies:
     """One bucket layout's copies, resolved once. Each sync then cuts the new bucket into
     consecutive segments with one ``split_with_sizes`` and copies them out in one batch, instead of
     a view, a lookup and a check per tensor in Python: for the 4,719 tensors of 12 of
@@ -147,13 +138,14 @@ class _BucketReplay:
     strided: list[_Copy]  # sources that are no one segment (offset counted from the flat's start)
 
     @classmethod
-    def build(cls, flat: torch.Tensor, at: dict[str, int], copies: dict[str, list[_Copy]]) -> _BucketReplay:
+    def build(cls, flat: torch.Tensor, at: dict[str, int], copies: dict[str, list[_Copy]]) -> BucketCopies:
         """``at``: each loaded name's first element in ``flat``; ``copies``: its recorded copies."""
         runs, strided = [], []
         for name, start in at.items():
             for c in copies[name]:
                 n = math.prod(c.size)
-                if n and c.dst.is_contiguous() and c.stride == _contiguous(c.size):
+                source = torch.empty_strided(c.size, c.stride, device="meta")  # its layout, no memory
+                if n and c.dst.is_contiguous() and source.is_contiguous():
                     runs.append((start + c.offset, n, c.dst.view(-1)))
                 elif n:
                     strided.append(_Copy(c.dst, start + c.offset, c.size, c.stride))
@@ -175,7 +167,9 @@ class _BucketReplay:
         single = [pair for pair, b in zip(dsts, small) if not b]
         return cls(sizes, ([d for d, _ in batched], [i for _, i in batched]), single, strided)
 
+    @torch.no_grad()
     def run(self, flat: torch.Tensor) -> None:
+        """Copies a bucket of this layout, ``flat`` its new contents, into the model."""
         segs = flat.split_with_sizes(self.sizes)
         dsts, idx = self.batched
         if dsts:
@@ -198,20 +192,17 @@ class CopyPlan:
         self.enabled = True
         self._owned = _storages(model)
         # Bucket layouts (names, shapes, offsets) whose every tensor replays, resolved once.
-        self._buckets: dict[tuple[TensorMeta, ...], _BucketReplay] = {}
+        self._buckets: dict[tuple[TensorMeta, ...], BucketCopies] = {}
 
-    def knows(self, bucket: Bucket) -> bool:
-        """Whether a bucket laid out as this one was loaded before with every tensor replayed."""
-        return self.enabled and tuple(bucket.metas) in self._buckets
-
-    @torch.no_grad()
-    def replay_bucket(self, bucket: Bucket) -> None:
-        """Loads a bucket ``knows``: the recorded copies out of its new contents, resolved once."""
-        self._buckets[tuple(bucket.metas)].run(bucket.flat)
+    def resolved(self, bucket: Bucket) -> BucketCopies | None:
+        """The copies of a bucket laid out as this one (the same names, shapes and offsets), where
+        one was loaded before with every tensor replayed; None otherwise. ``.run(bucket.flat)``
+        loads it."""
+        return self._buckets.get(tuple(bucket.metas)) if self.enabled else None
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]], bucket: Bucket | None = None) -> None:
         """Loads ``named``; given the ``bucket`` they are views of, and every one replays, the
-        bucket's layout is remembered for ``replay_bucket``."""
+        bucket's layout is remembered (``resolved``)."""
         named = list(named)
         rest: Named = []
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model view, incoming view) to replay
@@ -230,7 +221,7 @@ class CopyPlan:
         if bucket is not None and self.enabled and all(n in self.copies for n, _ in named):
             base = bucket.flat.storage_offset()
             at = {n: t.storage_offset() - base for n, t in named}
-            self._buckets[tuple(bucket.metas)] = _BucketReplay.build(bucket.flat, at, self.copies)
+            self._buckets[tuple(bucket.metas)] = BucketCopies.build(bucket.flat, at, self.copies)
 
     def _record(self, name: str, t: torch.Tensor) -> None:
         rec = _Recorder(self._owned, t)

@@ -300,12 +300,12 @@ class WeightReceiver:
         outside begin/end is a sync of its own. Returns (tensors, bytes).
 
         A bucket laid out as one loaded before (the same names, shapes and offsets: every sync after
-        the first) was checked then, and its copies replay whole (copy_plan.CopyPlan.replay_bucket)."""
+        the first) was checked then, and its copies replay whole (copy_plan.CopyPlan.resolved)."""
         oneshot = not st["active"]
         # A one-shot sync begins direct; a copy plan exists only where direct loading can run.
         plan = st.get("copy_plan") if oneshot or (st["direct"] and "reload" not in st) else None
-        known = plan is not None and plan.knows(bucket)
-        if not known:
+        known = plan.resolved(bucket) if plan is not None else None
+        if known is None:
             named = unpack(bucket)
             self._crl_validate(named, st)  # before anything is loaded: a bad bucket changes nothing
             named = [(n, t) for n, t in named if not (st["tied"] and n == "lm_head.weight")]
@@ -313,8 +313,8 @@ class WeightReceiver:
             self.begin_weight_sync()
         st["received"].update(m.name for m in bucket.metas)
         try:
-            if known:
-                plan.replay_bucket(bucket)
+            if known is not None:
+                known.run(bucket.flat)
             else:
                 self._crl_load(named, bucket)
         except BaseException:

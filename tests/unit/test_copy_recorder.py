@@ -130,19 +130,20 @@ def test_a_bucket_layout_replays_whole_and_equals_the_loaders():
     model = Loaders()
     plan = CopyPlan(model, model.load_weights)
     first = _bucket(0)
-    assert not plan.knows(first)
+    assert plan.resolved(first) is None
     plan.load(unpack(first), first)
-    assert plan.knows(first) and plan.stats()["load_weights"] == 0
+    assert plan.resolved(first) is not None and plan.stats()["load_weights"] == 0
     for seed in (1, 2):
         b = _bucket(seed)
-        assert plan.knows(b), "same names, shapes and offsets: the same layout"
-        plan.replay_bucket(b)
+        copies = plan.resolved(b)
+        assert copies is not None, "same names, shapes and offsets: the same layout"
+        copies.run(b.flat)
         ref = Loaders()
         ref.load_weights(unpack(b))
         for (name, got), (_, want) in zip(model.named_parameters(), ref.named_parameters()):
             assert torch.equal(got, want), (seed, name)
     other = Bucket(first.flat, first.metas[:-1])
-    assert not plan.knows(other), "another layout is loaded per tensor first"
+    assert plan.resolved(other) is None, "another layout is loaded per tensor first"
 
 
 def test_a_bucket_with_a_computing_loader_is_not_replayed_whole():
@@ -152,4 +153,4 @@ def test_a_bucket_with_a_computing_loader_is_not_replayed_whole():
     flat = named[0][1].view(-1)  # the bucket's views start at its flat tensor
     metas = [TensorMeta(n, tuple(t.shape), t.dtype, t.storage_offset(), t.numel()) for n, t in named]
     plan.load(named, Bucket(flat.as_strided((44,), (1,), 0), metas))
-    assert "norm" in plan.slow and not plan.knows(Bucket(flat, metas))
+    assert "norm" in plan.slow and plan.resolved(Bucket(flat, metas)) is None
