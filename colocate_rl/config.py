@@ -340,9 +340,12 @@ class LoggingConfig:
 class SFTConfig:
     """A short supervised warm-start on the training labels (tiny recipes: so rewards are not all 0)."""
 
-    steps: int = 0
+    steps: int = 0  # the most it runs
     lr: float = 1e-3
     batch_size: int = 32
+    # > 0: stop early once greedy accuracy on the last few batches (each before its update) reaches
+    # it. From scratch accuracy jumps from ~0 to most problems at a step that moves with the seed.
+    stop_at_accuracy: float = 0.0
 
 
 @dataclass
@@ -669,6 +672,8 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     ar = cfg.data.arithmetic
     if not ar.ops or set(ar.ops) - set("+-*") or ar.max_operand < 0:
         raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
+    if not 0 <= cfg.sft.stop_at_accuracy <= 1:
+        raise ConfigError(f"sft.stop_at_accuracy={cfg.sft.stop_at_accuracy} must be in [0, 1] (0: run sft.steps)")
     if cfg.algorithm.is_clamp < 0:
         raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
     if cfg.actor.micro_batch_tokens < 0:

@@ -54,10 +54,13 @@ def prepare(s: Session) -> None:
     """Resume from the newest intact checkpoint, or warm-start a fresh run; eval before step 1."""
     cfg = s.cfg
     resume(s)
-    if cfg.sft.steps and s.step == 0:
-        warm_start(s)
-    if cfg.eval.every and cfg.eval.at_start and s.step == 0:
-        s.log.log(0, evaluate(s))
+    if s.step:
+        return
+    row = warm_start(s) if cfg.sft.steps else {}
+    if cfg.eval.every and cfg.eval.at_start:
+        row.update(evaluate(s))
+    if row:
+        s.log.log(0, row)
 
 
 def step(s: Session, last: bool = False) -> dict:
@@ -187,14 +190,26 @@ def resume(s: Session) -> None:
           + (f" ({dropped} metrics rows after it dropped: they are redone)" if dropped else ""), flush=True)
 
 
-def warm_start(s: Session) -> None:
-    """A short supervised pass on the training labels; the engines then sample from it."""
+SFT_WINDOW = 5  # batches whose mean accuracy sft.stop_at_accuracy is held to
+
+
+def warm_start(s: Session) -> dict:
+    """A short supervised pass on the training labels; the engines then sample from it. With
+    sft.stop_at_accuracy it stops once the last batches' greedy accuracy reaches that value."""
     cfg = s.cfg
+    recent: list[float] = []
     with s.handoff.actor_owned():
         for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
             m = s.actor.sft_step(sft_batch(s.train_samples, s.tokenizer, cfg.sft.batch_size,
                                            seed=cfg.seed * 1_000_003 + i))
-    tqdm.write(f"sft warm-start: {cfg.sft.steps} steps, final loss {float(m['loss']):.3f}")
+            recent = (recent + [m["exact_total"] / max(m["rows_total"], 1.0)])[-SFT_WINDOW:]
+            if cfg.sft.stop_at_accuracy and len(recent) == SFT_WINDOW and \
+                    sum(recent) / SFT_WINDOW >= cfg.sft.stop_at_accuracy:
+                break
+    out = {"sft/steps": i + 1, "sft/loss": float(m["loss"]), "sft/accuracy": sum(recent) / len(recent)}
+    tqdm.write(f"sft warm-start: {i + 1} steps, final loss {out['sft/loss']:.3f}, accuracy of the last "
+               f"{len(recent)} batches {out['sft/accuracy']:.3f}")
+    return out
 
 
 class StopOnInterrupt:

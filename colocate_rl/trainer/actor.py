@@ -46,7 +46,7 @@ from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.census import SavedTensorCensus
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
 from colocate_rl.trainer.host_adam import HostAdam
-from colocate_rl.trainer.logprobs import token_logprobs
+from colocate_rl.trainer.logprobs import greedy_hits, token_logprobs
 from colocate_rl.trainer.offload import HostOffload
 from colocate_rl.trainer.reference import Reference
 from colocate_rl.types import RolloutBatch
@@ -408,7 +408,10 @@ class Actor:
             mb = item[0]
             lp = self._token_logprobs(output, tokens)
             loss = -torch.where(mb.loss_mask, lp, 0).sum() / max(counts["global_token_count"], 1)
-            return loss, {}
+            # Rows greedy decoding would answer exactly, before this update: the warm start's accuracy.
+            exact = (greedy_hits(output, tokens) | ~mb.loss_mask).all(dim=1)
+            rows = exact.new_tensor(len(exact), dtype=torch.float)
+            return loss, {"exact_total": exact.sum().float(), "rows_total": rows}
 
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:

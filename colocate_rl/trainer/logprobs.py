@@ -140,3 +140,21 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
     lp = _VocabParallelLogprobs.apply(logits.reshape(b * t, width), targets, float(temperature), fused).view(b, t)
     return torch.nn.functional.pad(lp[:, :-1], (1, 0))
+
+
+@torch.no_grad()
+def greedy_hits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [b, t, V/tp], tokens [b, t] → [b, t] bool, aligned as token_logprobs: out[:, t] is
+    whether tokens[t] is the most likely token after tokens[:t] (what greedy decoding would pick;
+    out[:, 0] False). Under tensor parallelism the row max and the target's logit are all-reduced."""
+    group, rank = _tp_group()
+    width = logits.shape[-1]
+    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+    peak = logits.amax(dim=-1)
+    local = (targets >= rank * width) & (targets < (rank + 1) * width)
+    index = (targets - rank * width).clamp(0, width - 1)
+    target = torch.where(local, logits.gather(-1, index[..., None])[..., 0], float("-inf"))
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(target, op=dist.ReduceOp.MAX, group=group)
+    return torch.nn.functional.pad((target >= peak)[:, :-1], (1, 0))

@@ -91,6 +91,21 @@ def test_short_run_improves_held_out_accuracy(tmp_path, tiny_model):
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows if "train_rollout_logprob_abs_diff" in r)
 
 
+def test_warm_start_stops_at_its_accuracy(tmp_path, tiny_model):
+    """sft.stop_at_accuracy ends the warm start once its last batches' greedy accuracy reaches it;
+    step 0's row says where it stopped, beside the held-out accuracy it left."""
+    cfg = tiny_cfg(tmp_path, tiny_model, **{"model.path": str(tmp_path / "m"), "model.synthesize": "qwen3-small",
+                                            "sft.steps": "300", "sft.stop_at_accuracy": "0.25", "eval.every": "1"})
+    s = start_session(cfg)
+    try:
+        loop.prepare(s)
+    finally:
+        s.close()
+    row = json.loads((tmp_path / "t" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 0 and loop.SFT_WINDOW <= row["sft/steps"] < 300, row
+    assert row["sft/accuracy"] >= 0.25 and row["eval/accuracy"] > 0.05, row
+
+
 def test_parity_at_sampling_temperature(tmp_path, tiny_model, even_length_reward):
     """At temperature != 1 the sampler reports logprobs after temperature (processed_logprobs) and
     the actor divides its logits by the same temperature: the two must still agree."""
