@@ -1,8 +1,9 @@
-"""Learning curves from a ``benchmarks/recipe_runs.py`` results file: held-out accuracy and train
-reward per run group (runs named ``<group>_<seed>``), the mean over seeds with their range.
+"""Learning curves from a ``benchmarks/recipe_runs.py`` or ``learning_at_width.py`` results file:
+held-out accuracy, train reward and the trainer/sampler logprob gap per run group (runs named
+``<group>_<seed>``), the mean over the seeds that reached a step, with their range.
 
     python benchmarks/plot_curves.py                     # exact mode off vs on → docs/exact_curves.png
-    python benchmarks/plot_curves.py RESULTS.json OUT.png
+    python benchmarks/plot_curves.py RESULTS.json OUT.png [STAGE]   # STAGE: of a learning_at_width file
 """
 
 from __future__ import annotations
@@ -30,33 +31,40 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps), np.asarray(values, dtype=float)
 
 
-def main(results: Path, out: Path) -> None:
+def main(results: Path, out: Path, stage: str = "") -> None:
     data = json.loads(results.read_text())
     groups: dict[str, list[dict]] = defaultdict(list)
-    for name, run in data["runs"].items():
+    for name, run in (data["stages"][stage] if stage else data["runs"]).items():
         groups[name.rsplit("_", 1)[0]].append(run)
-    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (acc_ax, reward_ax, gap_ax) = plt.subplots(1, 3, figsize=(15, 4))
     for group, runs in groups.items():
-        for ax, key, smooth in ((acc_ax, "eval/accuracy", 1), (reward_ax, "reward_mean", SMOOTH)):
+        color = None
+        for ax, key, smooth in ((acc_ax, "eval/accuracy", 1), (reward_ax, "reward_mean", SMOOTH),
+                                (gap_ax, "train_rollout_logprob_abs_diff", SMOOTH)):
             per_seed = [series(r, key) for r in runs]
-            steps, values = per_seed[0][0], np.stack([v for _, v in per_seed])
             if smooth > 1:  # running mean along the steps, per seed
                 kernel = np.ones(smooth) / smooth
-                values = np.stack([np.convolve(v, kernel, mode="valid") for v in values])
-                steps = steps[smooth - 1:]
-            line, = ax.plot(steps, values.mean(0), label=f"{group} (mean of {len(runs)})")
-            ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
+                per_seed = [(s[smooth - 1:], np.convolve(v, kernel, mode="valid")) for s, v in per_seed]
+            steps = max((s for s, _ in per_seed), key=len)
+            values = np.full((len(per_seed), len(steps)), np.nan)  # a run cut short leaves NaN
+            for i, (_, v) in enumerate(per_seed):
+                values[i, :len(v)] = v
+            line, = ax.plot(steps, np.nanmean(values, 0), label=f"{group} ({len(runs)} seeds)", color=color)
+            color = line.get_color()
+            ax.fill_between(steps, np.nanmin(values, 0), np.nanmax(values, 0), color=color, alpha=0.2)
     acc_ax.set(xlabel="step", ylabel="held-out accuracy", title="held-out accuracy (band: range over seeds)")
     reward_ax.set(xlabel="step", ylabel="train reward", title=f"train reward, {SMOOTH}-step running mean")
-    for ax in (acc_ax, reward_ax):
+    gap_ax.set(xlabel="step", ylabel="mean |logprob diff|", title=f"trainer vs sampler gap, {SMOOTH}-step running mean")
+    for ax in (acc_ax, reward_ax, gap_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     machine = data.get("machine", {})
-    fig.suptitle(f"{results.name}: {machine.get('gpu') or str(machine.get('cpus', '?')) + ' CPUs'}", fontsize=9)
+    where = machine.get("gpu") or f"{machine.get('cpus', '?')} CPUs"
+    fig.suptitle(f"{results.name}{' ' + stage if stage else ''}: {where}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=80)
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main(*(map(Path, sys.argv[1:3]) if len(sys.argv) > 2 else DEFAULT))
+    main(*(map(Path, sys.argv[1:3]) if len(sys.argv) > 2 else DEFAULT), *sys.argv[3:4])

@@ -16,7 +16,8 @@
 # grouped experts' GPU test and benchmarks/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
 # tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
 # summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
-# disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# learn-probe, learn-sweep, learn-seeds (benchmarks/learning_at_width.py's stages, LEARN_ARGS for their
+# options), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -124,6 +125,13 @@ for group in trl256-pair:256:3:2 trl1024-pair:1024:1:2; do  # the next runs of t
       --out "$out/gpu_vs_trl_${tokens}_pairs.json" > "$out/gpu_vs_trl_$tokens.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/gpu_vs_trl_$tokens.log" | grep -E "^\[|step|no pair" | tail -12
     [ -f "$out/gpu_vs_trl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"
+  fi
+done
+for stage in probe sweep seeds; do  # learning at width: Qwen3-0.6B's shape on 3-digit addition (LEARN_ARGS adds options)
+  if run "learn-$stage"; then  # the stages pick from each other through the cache, so they run in one lease
+    python3 benchmarks/learning_at_width.py "$stage" --recipe recipes/qwen3_grpo.py --preset "${LEARN_PRESET:-learn-0.6b}" \
+      --state "$COLOCATE_RL_CACHE/learn" ${LEARN_ARGS:-} 2>&1 | grep -E "^\[|^no |Error" | tee "$out/learn_$stage.log"
+    cp "$COLOCATE_RL_CACHE/learn/results.json" "$out/learn_${LEARN_PRESET:-learn-0.6b}.json" 2>/dev/null || rc=1
   fi
 done
 if run disagg; then  # needs two GPUs
