@@ -643,11 +643,39 @@ def grouped_experts(cfg: Config, on_gpu: bool) -> bool:
         (kernel == "grouped" or (kernel == "auto" and auto))
 
 
+class HFConfig(dict):
+    """A model's config.json as a dict that names its file: reading a field it lacks raises a
+    ConfigError naming the file and the field, where a bare KeyError would name neither."""
+
+    def __init__(self, fields: dict, source: str):
+        super().__init__(fields)
+        self.source = source
+
+    def __missing__(self, key: str):
+        raise ConfigError(f"{self.source} has no field '{key}', which the model's family reads")
+
+
+def read_model_config(folder: str | Path) -> HFConfig:
+    """``folder``/config.json, or a ConfigError naming the file: missing, not JSON (and where), or
+    not a JSON object."""
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model.path={folder} has no config.json")
+    try:
+        fields = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} cannot be read ({error_line(e)})") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{p} holds a JSON {type(fields).__name__}, not an object of fields")
+    return HFConfig(fields, str(p))
+
+
 def model_info(cfg: Config) -> dict:
     """The HF config.json of cfg.model.path when it is a local folder, else {} (hub ids resolve later)."""
-    p = Path(cfg.model.path) / "config.json"
-    if p.is_file():
-        return json.loads(p.read_text())
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return read_model_config(cfg.model.path)
     return {}
 
 

@@ -18,7 +18,7 @@ from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warnin
 from colocate_rl.data import PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
-from colocate_rl.models.registry import model_folder
+from colocate_rl.models.registry import load_tokenizer, model_folder
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
@@ -86,13 +86,12 @@ def start_session(cfg: C.Config) -> Session:
     plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
     if cfg.model.synthesize:
         ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
-    from transformers import AutoTokenizer
-
     # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
     # actor rank and engine fetches the weights on its own machine.
     folder = model_folder(cfg.model.path, weights=False)
     hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or folder)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, "model.tokenizer" if cfg.model.tokenizer else "model.path",
+                               cfg.model.trust_remote_code)
     check_tokenizer_fits(tokenizer, cfg, hf_config)
     train = load_prompts(cfg.data, tokenizer)
     # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
@@ -127,10 +126,7 @@ def check_model_folder(path: str, weights: bool = True) -> dict:
     p = Path(path)
     if weights and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
-    config = p / "config.json"
-    if not config.is_file():
-        raise C.ConfigError(f"model.path={path} has no config.json")
-    hf_config = json.loads(config.read_text())
+    hf_config = C.read_model_config(p)
     if not hf_config.get("architectures"):
         # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
         # embedding model and failed far from the cause.
