@@ -397,7 +397,8 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise ConfigError(f"{source}: unknown config key '{key}'{_did_you_mean(base, key)}") from None
     except ValidationError as e:
-        raise ConfigError(f"{source}: {e.full_key}: {e.msg.splitlines()[0]}") from None
+        where = source if source == f"override {e.full_key}" else f"{source}: {e.full_key}"
+        raise ConfigError(f"{where}: {e.msg.splitlines()[0]}") from None
 
 
 def load(base: Config | None = None, files: list[str] = (), overrides: list[str] = ()) -> Config:
@@ -746,8 +747,8 @@ def layout(cfg: Config) -> Layout:
                               f"evenly over the {actor_nodes} actor node(s) (placement.nnodes={pl.nnodes}; on CPU "
                               "each node holds the same number of ranks)")
         if actor // actor_nodes > MAX_PROCESSES:
-            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks start "
-                              f"{actor // actor_nodes} processes on a node of the CPU run; at most {MAX_PROCESSES}")
+            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks, "
+                              f"{actor // actor_nodes} processes per node on the CPU: at most {MAX_PROCESSES}")
     elif colocated:
         actor = rollout = pl.nnodes * gpn
     elif pl.nnodes > 1:

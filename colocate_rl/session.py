@@ -15,7 +15,7 @@ import torch
 
 from colocate_rl import config as C
 from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warning
-from colocate_rl.data import PromptSampler, load_prompts
+from colocate_rl.data import PromptDataset, PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
 from colocate_rl.models.registry import load_tokenizer, model_folder
@@ -83,22 +83,7 @@ def start_session(cfg: C.Config) -> Session:
                                            f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-    plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
-    if cfg.model.synthesize:
-        ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
-    # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
-    # actor rank and engine fetches the weights on its own machine.
-    folder = model_folder(cfg.model.path, weights=False)
-    hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
-    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, "model.tokenizer" if cfg.model.tokenizer else "model.path",
-                               cfg.model.trust_remote_code)
-    check_tokenizer_fits(tokenizer, cfg, hf_config)
-    train = load_prompts(cfg.data, tokenizer)
-    # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
-    eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
-    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
-                                         split="eval" if name.startswith("arithmetic") else cfg.eval.split))
-                 for name in cfg.eval.sets}
+    plan, tokenizer, train, eval_sets = read_inputs(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
@@ -117,6 +102,28 @@ def start_session(cfg: C.Config) -> Session:
     )
     handoff.step = lambda: s.step + 1  # the step in progress, for fault points and messages
     return s
+
+
+def read_inputs(cfg: C.Config) -> tuple[RunPlan, Any, PromptDataset, dict[str, list[Sample]]]:
+    """What a run reads before it starts anything: (plan, tokenizer, training prompts, eval sets).
+    Each is checked as it is read; a bad one is a ConfigError naming the field, file or row."""
+    plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
+    if cfg.model.synthesize:
+        ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
+    # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
+    # actor rank and engine fetches the weights on its own machine.
+    folder = model_folder(cfg.model.path, weights=False)
+    hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
+    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, "model.tokenizer" if cfg.model.tokenizer else "model.path",
+                               cfg.model.trust_remote_code)
+    check_tokenizer_fits(tokenizer, cfg, hf_config)
+    train = load_prompts(cfg.data, tokenizer)
+    # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
+    eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
+    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
+                                         split="eval" if name.startswith("arithmetic") else cfg.eval.split))
+                 for name in cfg.eval.sets}
+    return plan, tokenizer, train, eval_sets
 
 
 def check_model_folder(path: str, weights: bool = True) -> dict:

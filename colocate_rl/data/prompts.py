@@ -89,9 +89,9 @@ def _first_bad_line(path: str) -> str:
         for n, line in enumerate(f, start=1):
             try:
                 if line.strip():
-                    json.loads(line)
+                    json.loads(line.rstrip("\n"))
             except json.JSONDecodeError as e:
-                return f"line {n} is not JSON ({e})"
+                return f"line {n} is not JSON ({e.msg}, column {e.colno})"
     return ""
 
 
@@ -119,7 +119,7 @@ def _checked(row: dict[str, Any], keys: tuple[str, str]) -> tuple[list[dict[str,
     prompt, label = _get(row, prompt_key), _get(row, label_key)
     for key, value in ((prompt_key, prompt), (label_key, label)):
         if value is None:
-            raise _BadRow("malformed", f"'{key}' is missing")
+            raise _BadRow("malformed", f"'{key}' is missing or null")
     messages = _messages(prompt)
     if messages is None:
         raise _BadRow("malformed", f"'{prompt_key}' is {type(prompt).__name__}, not a string or a list of chat "

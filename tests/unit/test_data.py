@@ -92,7 +92,7 @@ def test_malformed_row_names_file_and_row(tokenizer):
     """The row is counted from 1, as the file's lines are (the fixture's second line lacks its label)."""
     with pytest.raises(ConfigError) as e:
         load_prompts(DataConfig(train=MALFORMED), tokenizer)
-    assert str(e.value) == f"{MALFORMED} row 2: 'label' is missing (data.on_bad_row=skip skips such rows)"
+    assert str(e.value) == f"{MALFORMED} row 2: 'label' is missing or null (data.on_bad_row=skip skips such rows)"
 
 
 def test_skip_mode_counts_bad_rows(tokenizer, caplog):
@@ -209,5 +209,5 @@ def test_math_eval_set_schema_and_an_eval_set_without_answers(tmp_path, tokenize
     one_missing = tmp_path / "one_missing.jsonl"
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]
     one_missing.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError, match=rf"^{one_missing} row 2: 'answer' is missing"):
+    with pytest.raises(ConfigError, match=rf"^{one_missing} row 2: 'answer' is missing or null"):
         load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(one_missing))
