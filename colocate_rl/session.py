@@ -114,8 +114,8 @@ def read_inputs(cfg: C.Config) -> tuple[RunPlan, Any, PromptDataset, dict[str, l
     # actor rank and engine fetches the weights on its own machine.
     folder = model_folder(cfg.model.path, weights=False)
     hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
-    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, "model.tokenizer" if cfg.model.tokenizer else "model.path",
-                               cfg.model.trust_remote_code)
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, field, cfg.model.trust_remote_code)
     check_tokenizer_fits(tokenizer, cfg, hf_config)
     train = load_prompts(cfg.data, tokenizer)
     # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.

@@ -399,7 +399,8 @@ class RolloutEngine:
                 if self.routing is not None:
                     routed.append(sampler_routing(c.routed_experts, len(samples[i].prompt_ids) + len(ids),
                                                   self.routing))
-        text = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
+        tok = self.tokenizer
+        text = [tok.decode(ids, skip_special_tokens=True) for ids in responses] if tok is not None else None
         return RolloutBatch.from_rows(prompts, responses, rows, self.pad_id, response_logprobs=logprobs,
                                       finish_reasons=reasons, responses=text, n=n,
                                       routed_experts=routed if self.routing is not None else None)
