@@ -43,13 +43,18 @@ def check_hardware(cfg: Config) -> None:
             f"({platform.kind()}). Try preset=tiny, or dry_run=true to see its plan.")
 
 
-def _fail(e: BaseException, code: int) -> SystemExit:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+def _fail(e: BaseException | str, code: int) -> SystemExit:
+    """``error: <message>`` on stderr, as one line whatever the message holds, and the exit code."""
+    line = " ".join(str(e).split("\n"))
+    print(f"error: {line}", file=sys.stderr, flush=True)
     return SystemExit(code)
 
 
 def main(config_fn, argv: list[str], gaps=None) -> dict:
     """``gaps(cfg)``: a recipe's one line naming what its preset needs that is not built ('' if nothing)."""
+    # megatron-core warns once per missing optional kernel package (TE, apex) when imported, which
+    # the memory plan already does: the console keeps the run's own lines, and an error its one line.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "tiny")
     rest = [a for a in argv if not a.startswith("preset=")]
     files, overrides = split_cli(rest)
@@ -79,10 +84,9 @@ def main(config_fn, argv: list[str], gaps=None) -> dict:
         from colocate_rl.supervise import supervise
 
         raise SystemExit(supervise(cfg, argv))
-    # megatron-core warns once per missing optional kernel package (TE, apex); vLLM logs each engine
-    # call at INFO and, on CPU, warns at every in-place reload that the rotary embedding has no
-    # weights to load: keep the console to the run's own lines unless VLLM_LOGGING_LEVEL says otherwise.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    # vLLM logs each engine call at INFO and, on CPU, warns at every in-place reload that the rotary
+    # embedding has no weights to load: keep the console to the run's own lines unless
+    # VLLM_LOGGING_LEVEL says otherwise.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 

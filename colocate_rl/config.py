@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,7 +400,8 @@ def _merge(base: DictConfig, other: Any, source: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise ConfigError(f"{source}: unknown config key '{key}'{_did_you_mean(base, key)}") from None
     except ValidationError as e:
-        raise ConfigError(f"{source}: {e.full_key}: {e.msg.splitlines()[0]}") from None
+        where = source if source == f"override {e.full_key}" else f"{source}: {e.full_key}"
+        raise ConfigError(f"{where}: {e.msg.splitlines()[0]}") from None
 
 
 def load(base: Config | None = None, files: list[str] = (), overrides: list[str] = ()) -> Config:
@@ -489,11 +491,129 @@ CHOICES = {
     "rollout.weight_quantization": ("", "fp8"),
 }
 
-POSITIVE = (
-    "rollout.n", "rollout.max_response_tokens", "rollout.tensor_parallel_size",
-    "actor.tp", "actor.pp", "actor.ep", "actor.micro_batch_size", "actor.num_minibatches", "actor.optimizer_chunk_mb",
-    "data.max_prompt_tokens", "data.prompts_per_step", "reward.workers", "placement.nnodes", "steps",
-)
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: lo to hi, each end included unless open. A float must
+    also be finite: NaN passes no comparison and so slips past a ``<`` check, and inf overflows timers."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    open_lo: bool = False
+    open_hi: bool = False
+    note: str = ""  # what a value at the edge means, said in the error
+
+    def holds(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return (self.lo < v if self.open_lo else self.lo <= v) and (v < self.hi if self.open_hi else v <= self.hi)
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            text = f"{'>' if self.open_lo else '>='} {_num(self.lo)}"
+        else:
+            text = f"in {'(' if self.open_lo else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.open_hi else ']'}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+# Processes one field can start on a machine (reward workers, CPU actor ranks, CPU engines): far
+# above any real run, low enough that a typo (reward.workers=100000) stops here, not in a fork storm.
+MAX_PROCESSES = 256
+# A day: longer than any wait the run makes; inf or 1e300 would overflow the timers that use it.
+MAX_TIMEOUT_S = 86400.0
+
+COUNT, AT_LEAST_0, ABOVE_0 = Range(1), Range(0), Range(0, open_lo=True)
+FRACTION = Range(0, 1, open_lo=True)  # (0, 1]
+BETA = Range(0, 1, open_hi=True)  # [0, 1)
+SEED = Range(0, 2**32 - 1)  # every RNG the run seeds takes 32 bits
+TIMEOUT = Range(0, MAX_TIMEOUT_S, open_lo=True)
+
+# Every int and float field of the tree and the values it may take (bool fields and those in
+# CHOICES aside; tests/unit/test_config.py checks that none is missing). Relations between fields
+# are checked in ``validate``.
+RANGES: dict[str, Range] = {
+    "rollout.n": COUNT,
+    "rollout.temperature": Range(0, note="0 samples greedily"),
+    "rollout.top_p": FRACTION,
+    "rollout.max_response_tokens": COUNT,
+    "rollout.seed": SEED,
+    "rollout.tensor_parallel_size": COUNT,
+    "rollout.gpu_memory_utilization": FRACTION,
+    "rollout.kv_cache_memory_mb": Range(0, note="0: from rollout.gpu_memory_utilization"),
+    "rollout.max_model_len": Range(0, note="0: data.max_prompt_tokens + rollout.max_response_tokens"),
+    "rollout.num_engines": Range(0, MAX_PROCESSES, note="0: as many as fit"),
+    "rollout.max_engine_restarts": AT_LEAST_0,
+    "rollout.dynamic_max_rounds": AT_LEAST_0,
+    "actor.tp": COUNT,
+    "actor.pp": COUNT,
+    "actor.ep": COUNT,
+    "actor.dp": Range(0, note="0: derived from the GPU count"),
+    "actor.lr": AT_LEAST_0,
+    "actor.min_lr": AT_LEAST_0,
+    "actor.lr_warmup_steps": AT_LEAST_0,
+    "actor.weight_decay": AT_LEAST_0,
+    "actor.adam_beta1": BETA,
+    "actor.adam_beta2": BETA,
+    "actor.adam_eps": ABOVE_0,
+    "actor.grad_clip": Range(0, note="0: no clipping"),
+    "actor.micro_batch_size": COUNT,
+    "actor.micro_batch_tokens": Range(0, note="0: actor.micro_batch_size rows per micro-batch"),
+    "actor.num_minibatches": COUNT,
+    "actor.optimizer_chunk_mb": COUNT,
+    "actor.max_nonfinite_in_row": COUNT,
+    "sync.bucket_mb": COUNT,
+    "sync.verify_every": Range(0, note="0: never"),
+    "sync.timeout_s": TIMEOUT,
+    "algorithm.adv_eps": ABOVE_0,
+    "algorithm.eps_low": Range(0, 1),
+    "algorithm.eps_high": AT_LEAST_0,
+    "algorithm.gspo_eps_low": Range(0, 1),
+    "algorithm.gspo_eps_high": AT_LEAST_0,
+    "algorithm.cispo_eps_high": AT_LEAST_0,
+    "algorithm.loss_norm_tokens": Range(0, note="0: rollout.max_response_tokens"),
+    "algorithm.is_clamp": Range(0, note="0 disables it"),
+    "algorithm.kl_coef": Range(0, note="0 disables the KL penalty"),
+    "data.max_prompt_tokens": COUNT,
+    "data.prompts_per_step": COUNT,
+    "data.shuffle_seed": SEED,
+    "data.arithmetic.num_train": COUNT,
+    "data.arithmetic.num_eval": AT_LEAST_0,
+    "data.arithmetic.max_operand": AT_LEAST_0,
+    "data.arithmetic.max_operand_b": Range(-1, note="-1: data.arithmetic.max_operand"),
+    "data.arithmetic.seed": SEED,
+    "reward.timeout_s": TIMEOUT,
+    "reward.workers": Range(1, MAX_PROCESSES),
+    "placement.nnodes": COUNT,
+    "placement.gpus_per_node": Range(-1, note="-1: this machine's GPUs, 0: the CPU"),
+    "placement.actor_nodes": AT_LEAST_0,
+    "placement.rollout_nodes": AT_LEAST_0,
+    "placement.actor_gpus": AT_LEAST_0,
+    "checkpoint.every": Range(0, note="0: only at the end"),
+    "checkpoint.keep": Range(0, note="0 keeps every one"),
+    "eval.every": Range(0, note="0: never"),
+    "eval.n_samples": COUNT,
+    "eval.temperature": Range(0, note="0 samples greedily"),
+    "eval.max_response_tokens": Range(0, note="0: rollout.max_response_tokens"),
+    "sft.steps": AT_LEAST_0,
+    "sft.lr": AT_LEAST_0,
+    "sft.batch_size": COUNT,
+    "sft.stop_at_accuracy": Range(0, 1, note="0: run sft.steps"),
+    "supervise.max_restarts": Range(0, note="0: not supervised"),
+    "steps": COUNT,
+    "seed": SEED,
+}
+
+
+def check_ranges(cfg: Config) -> None:
+    """ConfigError naming the first field outside its RANGES entry."""
+    for key, allowed in RANGES.items():
+        value = _get(cfg, key)
+        if not allowed.holds(value):
+            finite = "" if math.isfinite(value) else "a finite number "
+            raise ConfigError(f"{key}={value} must be {finite}{allowed}")
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -528,11 +648,39 @@ def grouped_experts(cfg: Config, on_gpu: bool) -> bool:
         (kernel == "grouped" or (kernel == "auto" and auto))
 
 
+class HFConfig(dict):
+    """A model's config.json as a dict that names its file: reading a field it lacks raises a
+    ConfigError naming the file and the field, where a bare KeyError would name neither."""
+
+    def __init__(self, fields: dict, source: str):
+        super().__init__(fields)
+        self.source = source
+
+    def __missing__(self, key: str):
+        raise ConfigError(f"{self.source} has no field '{key}', which the model's family reads")
+
+
+def read_model_config(folder: str | Path) -> HFConfig:
+    """``folder``/config.json, or a ConfigError naming the file: missing, not JSON (and where), or
+    not a JSON object."""
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model.path={folder} has no config.json")
+    try:
+        fields = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} cannot be read ({error_line(e)})") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{p} holds a JSON {type(fields).__name__}, not an object of fields")
+    return HFConfig(fields, str(p))
+
+
 def model_info(cfg: Config) -> dict:
     """The HF config.json of cfg.model.path when it is a local folder, else {} (hub ids resolve later)."""
-    p = Path(cfg.model.path) / "config.json"
-    if p.is_file():
-        return json.loads(p.read_text())
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return read_model_config(cfg.model.path)
     return {}
 
 
@@ -602,6 +750,9 @@ def layout(cfg: Config) -> Layout:
             raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks do not split "
                               f"evenly over the {actor_nodes} actor node(s) (placement.nnodes={pl.nnodes}; on CPU "
                               "each node holds the same number of ranks)")
+        if actor // actor_nodes > MAX_PROCESSES:
+            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks, "
+                              f"{actor // actor_nodes} processes per node on the CPU: at most {MAX_PROCESSES}")
     elif colocated:
         actor = rollout = pl.nnodes * gpn
     elif pl.nnodes > 1:
@@ -660,34 +811,16 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {', '.join(map(str, allowed))}")
-    for key in POSITIVE:
-        if _get(cfg, key) < 1:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
-    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
-        raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
-    if cfg.algorithm.eps_low < 0 or cfg.algorithm.eps_high < 0:
-        raise ConfigError("algorithm.eps_low and algorithm.eps_high must be >= 0")
-    if cfg.reward.timeout_s <= 0:
-        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    check_ranges(cfg)
     ar = cfg.data.arithmetic
-    if not ar.ops or set(ar.ops) - set("+-*") or ar.max_operand < 0:
-        raise ConfigError(f"data.arithmetic: ops={ar.ops!r} must use only + - * and max_operand >= 0")
-    if not 0 <= cfg.sft.stop_at_accuracy <= 1:
-        raise ConfigError(f"sft.stop_at_accuracy={cfg.sft.stop_at_accuracy} must be in [0, 1] (0: run sft.steps)")
-    if cfg.algorithm.is_clamp < 0:
-        raise ConfigError(f"algorithm.is_clamp={cfg.algorithm.is_clamp} must be >= 0 (0 disables it)")
-    if cfg.actor.micro_batch_tokens < 0:
-        raise ConfigError(f"actor.micro_batch_tokens={cfg.actor.micro_batch_tokens} must be >= 0 (0: "
-                          "actor.micro_batch_size rows per micro-batch)")
-    if cfg.rollout.num_engines < 0:
-        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines} must be >= 0 (0: as many as fit)")
+    if not ar.ops or set(ar.ops) - set("+-*"):
+        raise ConfigError(f"data.arithmetic.ops={ar.ops!r} must use only + - *")
+    if cfg.actor.min_lr > cfg.actor.lr:
+        raise ConfigError(f"actor.min_lr={cfg.actor.min_lr} must be <= actor.lr={cfg.actor.lr} (the schedule "
+                          "decays from actor.lr to actor.min_lr)")
     if cfg.actor.sequence_parallel and cfg.actor.tp == 1:
         raise ConfigError("actor.sequence_parallel=true needs actor.tp > 1 (it splits the sequence over the "
                           "tensor-parallel ranks)")
-    if cfg.supervise.max_restarts < 0:
-        raise ConfigError(f"supervise.max_restarts={cfg.supervise.max_restarts} must be >= 0")
-    if cfg.algorithm.kl_coef < 0:
-        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef} must be >= 0 (0 disables the KL penalty)")
     if cfg.rollout.exact and cfg.rollout.tensor_parallel_size != cfg.actor.tp:
         raise ConfigError(f"rollout.exact=true needs rollout.tensor_parallel_size ({cfg.rollout.tensor_parallel_size}) "
                           f"== actor.tp ({cfg.actor.tp}): a sum split over another number of ranks rounds differently")
@@ -707,9 +840,6 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
                           "both sides run FlashAttention 3, which has no float32 kernels")
 
     pl = cfg.placement
-    if pl.gpus_per_node < -1:
-        raise ConfigError(f"placement.gpus_per_node={pl.gpus_per_node} must be -1 (this machine's GPUs), 0 (CPU) "
-                          "or a GPU count")
     if pl.mode == "colocated" and (pl.actor_nodes or pl.rollout_nodes or pl.actor_gpus):
         raise ConfigError(
             "placement.mode=colocated shares every GPU between actor and rollout: "
@@ -747,8 +877,6 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     if cfg.actor.optimizer_state_dtype != "float32" and not cfg.actor.optimizer_cpu_offload:
         raise ConfigError("actor.optimizer_state_dtype=bfloat16 needs actor.optimizer_cpu_offload=true "
                           "(megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam)")
-    if cfg.sync.timeout_s <= 0:
-        raise ConfigError(f"sync.timeout_s={cfg.sync.timeout_s} must be > 0")
     if cfg.rollout.routing_replay and cfg.rollout.backend != "vllm":
         raise ConfigError(f"rollout.routing_replay=true needs rollout.backend=vllm: the {cfg.rollout.backend} "
                           "sampler returns no routed experts")

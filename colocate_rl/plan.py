@@ -145,6 +145,18 @@ def device_summary(cfg: Config, lay: Layout) -> tuple[str, int]:
             "placement.accelerator names another)", int(ACCELERATORS[DEFAULT_ACCELERATOR] * 1e9))
 
 
+def _model_size(hf: dict) -> ModelSize:
+    """model_size, whose family reads the config alone: a ValueError there is the config's, said as a
+    ConfigError naming its file."""
+    try:
+        return model_size(hf)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        source = getattr(hf, "source", "the model's config")
+        raise ConfigError(f"{source}: {C.first_line(e)}") from None
+
+
 def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     """The plan, or ConfigError naming the field (or the phase) that does not fit. Not ``strict`` (dry
     runs): what the model family refuses and what does not fit are listed in ``problems`` instead."""
@@ -175,7 +187,7 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
         if cfg.rollout.exact and moe_routing(hf) is not None and lay.tp * lay.ep > 1:
             raise ConfigError(f"rollout.exact=true runs a MoE block on one rank: actor.tp={lay.tp} and "
                               f"actor.ep={lay.ep} must both be 1 (vLLM's fused experts are called whole)")
-        size = model_size(hf)
+        size = _model_size(hf)
     if cfg.rollout.exact and not lay.on_gpu:
         raise ConfigError("rollout.exact=true needs CUDA GPUs: vLLM's batch-invariant kernels (FlashAttention 3, "
                           "its norm and rotary kernels) have no CPU build; this run is on the CPU")

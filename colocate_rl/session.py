@@ -15,10 +15,10 @@ import torch
 
 from colocate_rl import config as C
 from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warning
-from colocate_rl.data import PromptSampler, load_prompts
+from colocate_rl.data import PromptDataset, PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
-from colocate_rl.models.registry import model_folder
+from colocate_rl.models.registry import load_tokenizer, model_folder
 from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
@@ -83,23 +83,7 @@ def start_session(cfg: C.Config) -> Session:
                                            f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-    plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
-    if cfg.model.synthesize:
-        ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
-    from transformers import AutoTokenizer
-
-    # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
-    # actor rank and engine fetches the weights on its own machine.
-    folder = model_folder(cfg.model.path, weights=False)
-    hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or folder)
-    check_tokenizer_fits(tokenizer, cfg, hf_config)
-    train = load_prompts(cfg.data, tokenizer)
-    # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
-    eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
-    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
-                                         split="eval" if name.startswith("arithmetic") else cfg.eval.split))
-                 for name in cfg.eval.sets}
+    plan, tokenizer, train, eval_sets = read_inputs(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
@@ -120,6 +104,28 @@ def start_session(cfg: C.Config) -> Session:
     return s
 
 
+def read_inputs(cfg: C.Config) -> tuple[RunPlan, Any, PromptDataset, dict[str, list[Sample]]]:
+    """What a run reads before it starts anything: (plan, tokenizer, training prompts, eval sets).
+    Each is checked as it is read; a bad one is a ConfigError naming the field, file or row."""
+    plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
+    if cfg.model.synthesize:
+        ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
+    # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
+    # actor rank and engine fetches the weights on its own machine.
+    folder = model_folder(cfg.model.path, weights=False)
+    hf_config = check_model_folder(folder, weights=Path(cfg.model.path).is_dir())
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    tokenizer = load_tokenizer(cfg.model.tokenizer or folder, field, cfg.model.trust_remote_code)
+    check_tokenizer_fits(tokenizer, cfg, hf_config)
+    train = load_prompts(cfg.data, tokenizer)
+    # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
+    eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
+    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
+                                         split="eval" if name.startswith("arithmetic") else cfg.eval.split))
+                 for name in cfg.eval.sets}
+    return plan, tokenizer, train, eval_sets
+
+
 def check_model_folder(path: str, weights: bool = True) -> dict:
     """The model's folder (a hub id's snapshot: registry.model_folder) must hold its config, name its
     model class, and hold its weights (``weights``: a local folder, not yet a hub id's). Returns the
@@ -127,10 +133,7 @@ def check_model_folder(path: str, weights: bool = True) -> dict:
     p = Path(path)
     if weights and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
-    config = p / "config.json"
-    if not config.is_file():
-        raise C.ConfigError(f"model.path={path} has no config.json")
-    hf_config = json.loads(config.read_text())
+    hf_config = C.read_model_config(p)
     if not hf_config.get("architectures"):
         # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
         # embedding model and failed far from the cause.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import datasets
 
-from colocate_rl.config import DataConfig, cache_dir
+from colocate_rl.config import ConfigError, DataConfig, cache_dir, error_line, first_line
 from colocate_rl.data.arithmetic import arithmetic_problems
 from colocate_rl.types import Sample
 
@@ -51,6 +52,8 @@ class PromptDataset:
 
 
 class _BadRow(ValueError):
+    """A row that cannot be a prompt; the message starts with the field it is about."""
+
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
@@ -60,16 +63,21 @@ def _read(source: str, split: str) -> tuple[Sequence[dict[str, Any]], list[str]]
     """A hub id or a local file → (rows, column names)."""
     builder = _FILE_BUILDERS.get(Path(source).suffix)
     if builder is None:  # a hub id: HF's cache (HF_HOME), so that a pre-downloaded set is found offline
-        ds = datasets.load_dataset(source, split=split)
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:  # noqa: BLE001 - not a file, and not a data set the hub gave us
+            raise ConfigError(f"{source} is not a .parquet/.jsonl/.json file, and the Hugging Face hub did not "
+                              f"give it (split {split!r}: {error_line(e)})") from None
     elif not Path(source).is_file():
-        raise FileNotFoundError(f"data file not found: {source}")
+        raise ConfigError(f"data file not found: {source}")
     else:
         try:
             # datasets keeps an Arrow copy of a local file: in the run-local cache, not the shared HF one.
             cache = str(cache_dir() / "datasets")
             ds = datasets.load_dataset(builder, data_files=source, split="train", cache_dir=cache)
         except Exception as e:  # noqa: BLE001 - datasets' own message is buried under its fallbacks
-            raise ValueError(f"{source}: cannot be read as {builder}: {_first_bad_line(source) or e}") from None
+            raise ConfigError(f"{source}: cannot be read as {builder}: {_first_bad_line(source) or first_line(e)}") \
+                from None
     return ds, list(ds.column_names)
 
 
@@ -81,9 +89,9 @@ def _first_bad_line(path: str) -> str:
         for n, line in enumerate(f, start=1):
             try:
                 if line.strip():
-                    json.loads(line)
+                    json.loads(line.rstrip("\n"))
             except json.JSONDecodeError as e:
-                return f"line {n} is not JSON ({e})"
+                return f"line {n} is not JSON ({e.msg}, column {e.colno})"
     return ""
 
 
@@ -103,31 +111,51 @@ def _messages(prompt: Any) -> list[dict[str, str]] | None:
     return None
 
 
-def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokenizer, meta: dict) -> Sample:
+def _checked(row: dict[str, Any], keys: tuple[str, str]) -> tuple[list[dict[str, str]], str]:
+    """A row's prompt as chat messages and its label as text, or _BadRow naming the field: missing,
+    of the wrong type, empty (an empty prompt is 0 tokens, which vLLM rejects mid-step), or a label
+    that is not a finite number (NaN would be stored as "nan", which no answer matches)."""
     prompt_key, label_key = keys
     prompt, label = _get(row, prompt_key), _get(row, label_key)
-    for what, key, value in (("prompt", prompt_key, prompt), ("label", label_key, label)):
+    for key, value in ((prompt_key, prompt), (label_key, label)):
         if value is None:
-            raise _BadRow("malformed", f"missing {what} '{key}'")
+            raise _BadRow("malformed", f"'{key}' is missing or null")
     messages = _messages(prompt)
     if messages is None:
-        raise _BadRow("malformed", f"prompt is {type(prompt).__name__}, not a string or a list of chat messages")
+        raise _BadRow("malformed", f"'{prompt_key}' is {type(prompt).__name__}, not a string or a list of chat "
+                                   "messages")
+    if not any(m["content"].strip() for m in messages):
+        raise _BadRow("malformed", f"'{prompt_key}' is empty")
     if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-        raise _BadRow("malformed", f"label is {type(label).__name__}, not a string or a number")
+        raise _BadRow("malformed", f"'{label_key}' is {type(label).__name__}, not a string or a number")
+    if isinstance(label, float) and not math.isfinite(label):
+        raise _BadRow("malformed", f"'{label_key}' is {label}, not a finite number")
+    if not str(label).strip():
+        raise _BadRow("malformed", f"'{label_key}' is empty")
+    return messages, str(label)
+
+
+def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokenizer, meta: dict) -> Sample:
+    messages, label = _checked(row, keys)
+    prompt_key = keys[0]
     if cfg.apply_chat_template:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    elif isinstance(prompt, str):
-        text = prompt
+    elif isinstance(_get(row, prompt_key), str):
+        text = messages[0]["content"]
     else:
-        raise ValueError(f"{meta['source']}: prompts are chat messages but data.apply_chat_template=false")
+        raise ConfigError(f"{meta['source']} row {meta['row'] + 1}: prompts are chat messages but "
+                          f"data.apply_chat_template=false (set it true to render '{prompt_key}')")
     # A chat template already writes any BOS it wants; raw text gets the tokenizer's special tokens,
     # as vLLM does for a text prompt.
     ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
+    if not ids:
+        raise _BadRow("malformed", f"'{prompt_key}' is 0 tokens (does the tokenizer have a vocabulary?)")
     if len(ids) > cfg.max_prompt_tokens:
-        raise _BadRow("too_long", f"prompt has {len(ids)} tokens > data.max_prompt_tokens={cfg.max_prompt_tokens}")
+        raise _BadRow("too_long", f"'{prompt_key}' has {len(ids)} tokens > data.max_prompt_tokens="
+                                  f"{cfg.max_prompt_tokens}")
     if isinstance(row.get("data_source"), str):
         meta = {**meta, "data_source": row["data_source"]}
-    return Sample(prompt_ids=list(ids), label=str(label), prompt_text=text, meta=meta)
+    return Sample(prompt_ids=list(ids), label=label, prompt_text=text, meta=meta)
 
 
 def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
@@ -136,14 +164,14 @@ def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
         fmt = ("verl" if "reward_model" in columns else "slime" if "label" in columns
                else "math" if {"problem", "answer"} <= set(columns) else "")
     if not fmt and not cfg.label_key:
-        raise ValueError(
+        raise ConfigError(
             f"{source}: cannot tell the format from its columns {columns}: expected 'reward_model' (verl), "
             f"'label' (slime) or 'problem' + 'answer' (math); set data.format, or data.prompt_key and data.label_key"
         )
     keys = (cfg.prompt_key or PROMPT_KEYS.get(fmt, "prompt"), cfg.label_key or LABEL_KEYS[fmt])
     for key in keys:
         if key.split(".")[0] not in columns:
-            raise ValueError(f"{source}: no column '{key.split('.')[0]}' (columns: {', '.join(columns)})")
+            raise ConfigError(f"{source}: no column '{key.split('.')[0]}' (columns: {', '.join(columns)})")
     return keys
 
 
@@ -155,13 +183,17 @@ def load_prompts(
     ``source``: a hub id (read with ``split``, default ``cfg.split``), a local .parquet/.jsonl/.json
     file (one split: ``split`` is ignored), or "arithmetic" (``cfg.arithmetic``'s problems; the
     held-out ones with "arithmetic:eval" or split="eval"; the default is train). A bad row
-    (missing or mistyped prompt or label, or more than ``cfg.max_prompt_tokens`` tokens) raises an
-    error naming the source and the row (0-based), or with ``on_bad_row=skip`` is skipped and
-    counted in ``PromptDataset.skipped``.
+    (missing, mistyped or empty prompt or label, a label that is not a finite number, or more than
+    ``cfg.max_prompt_tokens`` tokens) raises a ConfigError naming the source, the row (1-based, as
+    a file's lines are counted) and the field, or with ``on_bad_row=skip`` is skipped and counted in
+    ``PromptDataset.skipped``. ``Sample.meta["row"]`` is 0-based.
     """
     source = source or cfg.train
     if not source:
-        raise ValueError("data.train is empty: give a hub id, a .parquet/.jsonl/.json file or 'arithmetic'")
+        raise ConfigError("data.train is empty: give a hub id, a .parquet/.jsonl/.json file or 'arithmetic'")
+    if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.apply_chat_template=true but the tokenizer at {tokenizer.name_or_path} has no chat "
+                          "template: set data.apply_chat_template=false, or model.tokenizer to one that has a template")
     if source == "arithmetic" or source.startswith("arithmetic:"):
         problems = arithmetic_problems(cfg.arithmetic, source.partition(":")[2] or split or "train")
         rows: Sequence[dict[str, Any]] = [{"prompt": p, "label": a} for p, a in problems]
@@ -176,11 +208,11 @@ def load_prompts(
             samples.append(_sample(row, keys, cfg, tokenizer, {"source": source, "row": i}))
         except _BadRow as e:
             if cfg.on_bad_row != "skip":
-                raise ValueError(f"{source} row {i}: {e} (data.on_bad_row=skip skips such rows)") from None
+                raise ConfigError(f"{source} row {i + 1}: {e} (data.on_bad_row=skip skips such rows)") from None
             skipped[e.reason] += 1
     if skipped:
         detail = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
         logger.warning("%s: skipped %d of %d rows (%s)", source, sum(skipped.values()), len(rows), detail)
     if not samples:
-        raise ValueError(f"{source}: no usable prompts ({len(rows)} rows, skipped: {dict(skipped) or 'none'})")
+        raise ConfigError(f"{source}: no usable prompts ({len(rows)} rows, skipped: {dict(skipped) or 'none'})")
     return PromptDataset(samples, source, dict(skipped))

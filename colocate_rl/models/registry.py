@@ -7,12 +7,11 @@ those functions and calling ``register`` in that module, then listing the module
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from colocate_rl.config import ConfigError, error_line
+from colocate_rl.config import ConfigError, error_line, read_model_config
 
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
@@ -221,21 +220,41 @@ def model_folder(path: str | Path, weights: bool = True) -> str:
 
 
 def read_hf_config(path: str | Path) -> dict:
-    """config.json of an HF model folder as a dict."""
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"model.path={path} has no config.json")
-    return json.loads(p.read_text())
+    """config.json of an HF model folder as a dict (config.HFConfig: a field it lacks, once read,
+    is a ConfigError naming the file and the field)."""
+    return read_model_config(path)
+
+
+# Files holding a tokenizer's vocabulary. From a folder with none of them transformers builds an
+# empty tokenizer (every text 0 tokens) instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+
+
+def load_tokenizer(path: str | Path, field: str, trust_remote_code: bool = False) -> Any:
+    """The HF tokenizer of a folder or hub id, which config field ``field`` names; a ConfigError
+    naming the field and the folder when there is none."""
+    folder = Path(path)
+    if folder.is_dir() and not any(any(folder.glob(f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"{field}={path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): set "
+                          "model.tokenizer to a folder or hub id that has them")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each means no tokenizer there
+        raise ConfigError(f"{field}={path}: no tokenizer loads from it ({error_line(e)})") from None
 
 
 def family_for(hf_config: dict) -> Family:
-    """The family serving this HF config; a one-line error naming the architecture otherwise."""
+    """The family serving this HF config; a one-line ConfigError naming the file, its model_type and
+    the registry's model_types otherwise."""
     _load_builtin()
     mt = hf_config.get("model_type", "")
     if mt not in _FAMILIES:
         arch = ",".join(hf_config.get("architectures") or []) or "?"
-        raise ValueError(
-            f"unsupported model architecture {arch} (model_type={mt!r}); supported model_types: "
-            f"{', '.join(sorted(_FAMILIES))}"
+        source = getattr(hf_config, "source", "")
+        raise ConfigError(
+            f"{source + ': ' if source else ''}unsupported model architecture {arch} (model_type={mt!r}); "
+            f"supported model_types: {', '.join(sorted(_FAMILIES))}"
         )
     return _FAMILIES[mt]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from colocate_rl.config import read_model_config
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 # Qwen's chat format, shortened: no system prompt, no thinking block.
@@ -134,9 +136,8 @@ def shape_config(shape: str) -> dict:
 def known_config(path: str) -> dict:
     """The HF config of a local model folder, of a shape named in SHAPES, or of a published model in
     HUB_SHAPES; {} when none is known (a hub id resolved later by the engines)."""
-    p = Path(path) / "config.json"
-    if p.is_file():
-        return json.loads(p.read_text())
+    if (Path(path) / "config.json").is_file():
+        return read_model_config(path)
     shape = HUB_SHAPES.get(path, path)
     if shape == "deepseek-v4-flash":
         from colocate_rl.models.deepseek_v4.synth import FLASH

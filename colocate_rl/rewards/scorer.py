@@ -91,8 +91,8 @@ class RewardScorer:
     """
 
     def __init__(self, fn: str | RewardFn, timeout_s: float = 5.0, workers: int = 2):
-        if timeout_s <= 0 or workers < 1:
-            raise ValueError(f"RewardScorer needs timeout_s > 0 and workers >= 1 (got {timeout_s}, {workers})")
+        if not (0 < timeout_s < math.inf) or workers < 1:  # NaN fails the first test too
+            raise ValueError(f"RewardScorer needs a finite timeout_s > 0 and workers >= 1 (got {timeout_s}, {workers})")
         self.reward = get_reward(fn)
         self.timeout_s = timeout_s
         self._workers: list[_Worker] = []

@@ -5,8 +5,8 @@ per Ray actor behind a router; nothing here assumes it is the only one. The sync
 used: ``generate`` returns when every request is done, so weight updates and sleep/wake never race
 a running batch (the loop orders the phases).
 
-Token ids go in and out; vLLM runs with ``skip_tokenizer_init`` and the HF tokenizer (when there
-is one) only decodes responses for the reward.
+Token ids go in and out; vLLM runs with ``skip_tokenizer_init`` and the HF tokenizer only decodes
+responses for the reward.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from colocate_rl.config import Config, cache_dir
-from colocate_rl.models.registry import MoeRouting, exact_samples_on_v2, moe_routing, read_hf_config
+from colocate_rl.models.registry import (MoeRouting, exact_samples_on_v2, load_tokenizer, moe_routing,
+                                         read_hf_config)
 from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
@@ -119,16 +120,6 @@ def _model_config(model_path: str, llm: Any) -> dict:
     if (Path(model_path) / "config.json").is_file():
         return read_hf_config(model_path)
     return llm.llm_engine.model_config.hf_config.to_dict()
-
-
-def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        log.warning("no tokenizer at %s (%s): responses will not be decoded", path, str(e).splitlines()[0])
-        return None
 
 
 def _dead(e: BaseException) -> bool:
@@ -261,16 +252,19 @@ class RolloutEngine:
         self, cfg: Config, model_path: str | None = None, *, tokenizer: Any = None, multiprocess: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        self.cfg = cfg
+        self.model_path = str(model_path or cfg.model.path)
+        r = cfg.rollout
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
+            # Without one the rewards would score empty responses: no tokenizer is a ConfigError,
+            # raised before vLLM is imported.
+            field = "tokenizer" if tokenizer else "model.tokenizer" if cfg.model.tokenizer else "model.path"
+            tokenizer = load_tokenizer(tokenizer or cfg.model.tokenizer or self.model_path, field,
+                                       cfg.model.trust_remote_code)
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.cfg = cfg
-        self.model_path = str(model_path or cfg.model.path)
         self.on_cpu = current_platform.is_cpu()
-        r = cfg.rollout
-        if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            path = str(tokenizer or cfg.model.tokenizer or self.model_path)
-            tokenizer = _load_tokenizer(path, cfg.model.trust_remote_code)
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(self.model_path, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)

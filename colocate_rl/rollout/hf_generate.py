@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from colocate_rl.config import Config
-from colocate_rl.models.registry import family_for, load_hf_model
+from colocate_rl.models.registry import family_for, load_hf_model, load_tokenizer, read_hf_config
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import SyncStats
 from colocate_rl.weight_sync.verify import tensor_checksum
@@ -38,13 +38,13 @@ class TransformersRollout:
     num_workers = 1
 
     def __init__(self, cfg: Config, model_path: str):
-        from transformers import AutoTokenizer
-
         self.cfg, self.model_path = cfg, model_path
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.family = family_for(json.loads((Path(model_path) / "config.json").read_text()))
+        self.family = family_for(read_hf_config(model_path))
         self.model = load_hf_model(model_path, self.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path,
+                                        "model.tokenizer" if cfg.model.tokenizer else "model.path",
+                                        cfg.model.trust_remote_code)
         gen = Path(model_path) / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else self.tokenizer.eos_token_id
         self.eos_ids = [int(i) for i in (eos if isinstance(eos, list) else [eos])]

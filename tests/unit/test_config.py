@@ -244,3 +244,53 @@ def test_an_error_as_one_line_names_it_even_without_a_message():
     assert first_line(RuntimeError("  \n")) == "RuntimeError"  # NCCL/gloo errors can be empty
     assert first_line(TimeoutError()) == "TimeoutError"
     assert error_line(OSError("disk full\ndetail")) == "OSError: disk full"
+
+
+def _numeric_fields(cls, prefix=""):
+    """Dotted names of every int and float field under a config dataclass (bool fields aside)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _numeric_fields(kind, f"{prefix}{f.name}.")
+        elif kind in (int, float):
+            yield f"{prefix}{f.name}"
+
+
+def test_every_numeric_field_has_a_range():
+    """A numeric field without a rule would take NaN, inf or a negative count silently."""
+    from colocate_rl.config import CHOICES, RANGES
+
+    fields = list(_numeric_fields(Config))
+    assert len(fields) > 60 and "reward.timeout_s" in fields and "data.arithmetic.seed" in fields
+    assert [f for f in fields if f not in RANGES and f not in CHOICES] == []
+    assert [k for k in RANGES if k not in fields] == []  # no rule for a field that is gone
+
+
+@pytest.mark.parametrize("override, line", [
+    ("reward.timeout_s=nan", "reward.timeout_s=nan must be a finite number in (0, 86400]"),
+    ("sync.timeout_s=inf", "sync.timeout_s=inf must be a finite number in (0, 86400]"),
+    ("actor.lr=nan", "actor.lr=nan must be a finite number >= 0"),
+    ("algorithm.eps_high=-inf", "algorithm.eps_high=-inf must be a finite number >= 0"),
+    ("rollout.top_p=0", "rollout.top_p=0.0 must be in (0, 1]"),
+    ("actor.adam_beta2=1", "actor.adam_beta2=1.0 must be in [0, 1)"),
+    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+    ("placement.gpus_per_node=-2", "placement.gpus_per_node=-2 must be >= -1 (-1: this machine's GPUs, 0: the CPU)"),
+])
+def test_range_errors_read_as_the_rule(override, line):
+    assert err([override]) == line
+
+
+def test_ranges_let_their_edges_through():
+    cfg = load(base(), overrides=["rollout.temperature=0", "rollout.top_p=1", "actor.adam_beta1=0", "seed=4294967295",
+                                  "reward.timeout_s=86400", "reward.workers=256", "checkpoint.keep=0"])
+    assert cfg.rollout.top_p == 1.0 and cfg.reward.workers == 256 and cfg.seed == 2**32 - 1
+
+
+def test_min_lr_above_lr_and_too_many_cpu_ranks():
+    assert err(["actor.lr=1e-6", "actor.min_lr=1e-5"]).startswith("actor.min_lr=1e-05 must be <= actor.lr=1e-06")
+    msg = err(["placement.gpus_per_node=0", "actor.dp=300"])
+    assert "300 actor ranks" in msg and "at most 256" in msg

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from colocate_rl.config import ArithmeticConfig, DataConfig
+from colocate_rl.config import ArithmeticConfig, ConfigError, DataConfig
 from colocate_rl.data import PromptSampler, arithmetic_problems, load_prompts
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -89,9 +89,10 @@ def test_explicit_keys_and_format(tmp_path, tokenizer):
 
 
 def test_malformed_row_names_file_and_row(tokenizer):
-    with pytest.raises(ValueError) as e:
+    """The row is counted from 1, as the file's lines are (the fixture's second line lacks its label)."""
+    with pytest.raises(ConfigError) as e:
         load_prompts(DataConfig(train=MALFORMED), tokenizer)
-    assert str(e.value) == f"{MALFORMED} row 1: missing label 'label' (data.on_bad_row=skip skips such rows)"
+    assert str(e.value) == f"{MALFORMED} row 2: 'label' is missing or null (data.on_bad_row=skip skips such rows)"
 
 
 def test_skip_mode_counts_bad_rows(tokenizer, caplog):
@@ -106,8 +107,8 @@ def test_too_long_prompt(tokenizer):
     cfg = DataConfig(train=SLIME, max_prompt_tokens=20)
     lens = [len(s.prompt_ids) for s in load_prompts(DataConfig(train=SLIME), tokenizer).samples]
     first_long = next(i for i, n in enumerate(lens) if n > 20)
-    with pytest.raises(ValueError, match=rf"prompts_slime.jsonl row {first_long}: prompt has {lens[first_long]} tokens "
-                                         r"> data.max_prompt_tokens=20"):
+    with pytest.raises(ConfigError, match=rf"prompts_slime.jsonl row {first_long + 1}: 'prompt' has {lens[first_long]} "
+                                          r"tokens > data.max_prompt_tokens=20"):
         load_prompts(cfg, tokenizer)
     cfg.on_bad_row = "skip"
     ds = load_prompts(cfg, tokenizer)
@@ -115,7 +116,7 @@ def test_too_long_prompt(tokenizer):
 
 
 def test_missing_file_and_unreadable_json(tmp_path, tokenizer):
-    with pytest.raises(FileNotFoundError, match="data file not found: .*nope.jsonl"):
+    with pytest.raises(ConfigError, match="data file not found: .*nope.jsonl"):
         load_prompts(DataConfig(train=str(tmp_path / "nope.jsonl")), tokenizer)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "label": "1"}\nnot json\n')
@@ -208,5 +209,5 @@ def test_math_eval_set_schema_and_an_eval_set_without_answers(tmp_path, tokenize
     one_missing = tmp_path / "one_missing.jsonl"
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]
     one_missing.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=rf"^{one_missing} row 1: "):
+    with pytest.raises(ConfigError, match=rf"^{one_missing} row 2: 'answer' is missing or null"):
         load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(one_missing))
