@@ -39,7 +39,7 @@ from colocate_rl.config import Config, cache_dir, first_line, layout
 from colocate_rl.handoff import ColocatedHandoff
 from colocate_rl.placement.base import engine_quantization, immediate_buffer
 from colocate_rl.placement.nodes import ProcessLost, gather, master_addr, network_env, node_groups, short, where
-from colocate_rl.placement.ray_auth import authenticate
+from colocate_rl.placement.ray_auth import authenticate, local_token_file, use_token_file
 from colocate_rl.ports import reserve_port
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
@@ -59,9 +59,10 @@ def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
     os.environ.update(NOSET)
     if cfg.placement.ray_address:
         authenticate(cfg)  # a cluster started by scripts/start_ray.sh admits only its token's holders
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
+    else:
+        use_token_file(local_token_file())  # the local instance admits only this run's processes
     tmp = os.environ.get("RAY_TMPDIR", str(cache_dir() / "ray"))
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(tmp, mode=0o700, exist_ok=True)
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": NOSET})
     if cfg.placement.ray_address:
         ray.init(address=cfg.placement.ray_address, **kwargs)
