@@ -93,9 +93,6 @@ class _Host:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.obj, method)(*args, **kwargs)
 
-    def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
-
     def where(self) -> dict[str, Any]:
         """Node, process and the GPUs Ray assigned, as this process sees them."""
         return where()
