@@ -44,9 +44,9 @@ def main() -> None:
 
     from megatron.core import parallel_state as ps  # Megatron's rotary and cross-entropy read its groups
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    from colocate_rl.trainer.distributed import init_process_group
+
+    init_process_group()  # a world of one, its store on 127.0.0.1 only
     ps.initialize_model_parallel()
     torch.manual_seed(0)
     dev, bf = torch.device("cuda"), torch.bfloat16

@@ -14,7 +14,7 @@ export TMPDIR="$COLOCATE_RL_CACHE/tmp" VLLM_CACHE_ROOT="$COLOCATE_RL_CACHE/vllm"
   TORCHINDUCTOR_CACHE_DIR="$COLOCATE_RL_CACHE/inductor" TRITON_CACHE_DIR="$COLOCATE_RL_CACHE/triton" \
   HF_HOME="$COLOCATE_RL_CACHE/hf" RAY_TMPDIR="$COLOCATE_RL_CACHE/ray" WANDB_DIR="$COLOCATE_RL_CACHE" \
   MPLCONFIGDIR="$COLOCATE_RL_CACHE/mpl" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" \
-  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_AUTH_MODE=disabled
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
 stamp="$venv/.colocate_rl_stamp"
 want="$(cat "$root/requirements/cpu.lock" "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"

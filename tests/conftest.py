@@ -16,7 +16,6 @@ for var, sub in [("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "induc
 os.environ.setdefault("COLOCATE_RL_CACHE", str(_cache))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # First generate otherwise spends 15-19 s in torch.compile on CPU.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # One intra-op thread per process (before torch is imported; the processes the tests start inherit

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from colocate_rl.models.hf_checkpoint import HFCheckpoint
+from colocate_rl.weight_sync.json_wire import all_gather, dtype_name, dtype_named
 
 
 @dataclass(frozen=True)
@@ -227,12 +228,11 @@ def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, list[tuple[Route,
     layer_stage, dtypes = {}, {}
     if pp_size > 1:
         mine = sorted({int(m.group(1)) for n in local if (m := _LAYER.match(n))})
-        odd = {n: p.dtype for n, p in local.items() if p.dtype != pdtype}
-        gathered: list = [None] * pp_size
-        dist.all_gather_object(gathered, (mine, odd), group=ps.get_pipeline_model_parallel_group())
+        odd = {n: dtype_name(p.dtype) for n, p in local.items() if p.dtype != pdtype}
+        gathered = all_gather([mine, odd], ps.get_pipeline_model_parallel_group())
         layer_stage = {layer: stage for stage, (layers, _) in enumerate(gathered) for layer in layers}
-        for _, stage_odd in gathered:
-            dtypes.update(stage_odd)
+        for stage, (_, stage_odd) in enumerate(gathered):
+            dtypes.update({n: dtype_named(d, f"pipeline stage {stage}'s dtype of {n}") for n, d in stage_odd.items()})
     num_experts = getattr(model.config, "num_moe_experts", None) or 0
     per_ep = num_experts // ps.get_expert_model_parallel_world_size() if num_experts else 0
 

@@ -13,7 +13,8 @@ actor and the rollout never share a node; on one node the two pools are one plac
 (PACK). Ray is told not to set visible devices (ray_colocated.NOSET); each Ray actor sets
 CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES together to the GPUs Ray assigned it
 (``ray.get_gpu_ids``), before torch or vLLM start. The actor's torch.distributed rendezvous and the
-broadcast group's store are on actor rank 0's node (its address, a port free there); NCCL/gloo pick
+broadcast group's store are on actor rank 0's node (its address, or 127.0.0.1 when every member of the
+group runs there; a port held there until the store serves on it); NCCL/gloo pick
 the interface named by NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (placement.nodes.network_env).
 
 Weights travel over one broadcast group (weight_sync.broadcast): actor rank 0, which holds every
@@ -43,7 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colocate_rl import platform
 from colocate_rl.config import Config, layout
 from colocate_rl.handoff import DisaggregatedHandoff
-from colocate_rl.placement.nodes import network_env, node_groups, wait_ready
+from colocate_rl.placement.nodes import master_addr, network_env, node_groups, wait_ready
 from colocate_rl.placement.ray_colocated import ActorGroup, _Host, rank_names, start_ray, stop_engines
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.rollout.router import Router
@@ -105,7 +106,8 @@ class TrainerRank(_Host):
         out = super().describe()
         out.update(device=str(platform.device()), dist_rank=dist.get_rank() if dist.is_initialized() else None,
                    dist_world=dist.get_world_size() if dist.is_initialized() else None,
-                   broadcast=None if self.group is None else (self.group.spec.master_addr, self.group.spec.master_port))
+                   broadcast=None if self.group is None else (self.group.spec.master_addr, self.group.spec.master_port,
+                                                              self.group.spec.name))
         return out
 
     def join_broadcast(self, spec: dict[str, Any]) -> None:
@@ -206,15 +208,17 @@ class RayDisaggregated:
     def _form_group(self, engines: list[int]) -> None:
         """A new broadcast group: actor rank 0 + every worker of ``engines``."""
         workers = ray.get([self.hosts[e].num_workers.remote() for e in engines])
-        ips = ray.get([self.hosts[e].node_ip.remote() for e in engines])
         rank0 = self.actor.ranks[0]
+        places = ray.get([rank0.where.remote()] + [self.hosts[e].where.remote() for e in engines])
         from colocate_rl.weight_sync.broadcast import backend_for
 
-        # The group's store is served by actor rank 0, on its node: its address, a port it holds until then.
-        members = [self.actor.names[0]] + [f"engine {e} worker {w} on {ip}"
-                                           for e, n, ip in zip(engines, workers, ips) for w in range(n)]
-        spec = dict(name=f"weights-{secrets.token_hex(3)}", master_addr=ray.get(rank0.node_ip.remote()),
-                    master_port=ray.get(rank0.reserve_port.remote()), world_size=1 + sum(workers),
+        # The group's store is served by actor rank 0, on its node (loopback when every member is there), on a
+        # port it holds until then; the name is 128 random bits, never guessed by another process of the store.
+        members = [self.actor.names[0]] + [f"engine {e} worker {w} on {p['node_ip']}"
+                                           for e, n, p in zip(engines, workers, places[1:]) for w in range(n)]
+        addr = master_addr(places)
+        spec = dict(name=f"weights-{secrets.token_hex(16)}", master_addr=addr,
+                    master_port=ray.get(rank0.reserve_port.remote(addr)), world_size=1 + sum(workers),
                     backend=backend_for("cuda" if self.layout.engine_gpus else "cpu"),
                     timeout_s=self.cfg.sync.timeout_s, members=tuple(members))
         with self.actor.lock:
@@ -341,7 +345,8 @@ def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayDisaggreg
     places = ray.get([r.where.remote() for r in ranks])
     w.actor.names = rank_names(places)
     # torch.distributed's rendezvous on rank 0's node: its address and a port it holds until its store serves.
-    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote()))}
+    addr = master_addr(places)
+    master = {"MASTER_ADDR": addr, "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote(addr)))}
     net = network_env()
     w.actor.get([r.start.remote(cfg, {**net, **master, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                                       "OMP_NUM_THREADS": "1"}) for rank, r in enumerate(ranks)], "start")

@@ -23,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from colocate_rl.config import ConfigError
+from colocate_rl.ports import LOOPBACK
 
 PG_READY_S = 120.0  # a placement group not ready by then will not fit the cluster
 NODE_ID_LABEL = "ray.io/node-id"
@@ -94,6 +95,12 @@ def where() -> dict[str, Any]:
     """Where the calling Ray worker runs, as it sees itself."""
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(), "gpu_ids": [int(i) for i in ray.get_gpu_ids()]}
+
+
+def master_addr(places: list[dict[str, Any]]) -> str:
+    """Where the store of a group whose members run at ``places`` (each process's ``where``; the first serves
+    it) listens: loopback when they all run on one node, reachable from no other machine; else that node's address."""
+    return LOOPBACK if len({p["node_id"] for p in places}) == 1 else places[0]["node_ip"]
 
 
 def _reason(e: BaseException) -> str:

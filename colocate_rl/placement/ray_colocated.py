@@ -9,7 +9,8 @@ them). Ray is told not to set visible devices: the actor ranks of a node see the
 run (the ones Ray assigned to its bundles) and pick theirs by LOCAL_RANK, their index on the node;
 engine e sees its own GPUs. The actor rank and the engine worker on one GPU see the same device,
 and the same UUID, which keys the weight-sync messages. The actor's torch.distributed rendezvous is
-on rank 0's node (MASTER_ADDR is that node's address, not the driver's). On CPU each node's group
+on rank 0's node (MASTER_ADDR is that node's address, not the driver's; 127.0.0.1 on one node, so
+that its store and gloo's sockets listen on loopback only). On CPU each node's group
 holds the node's actor ranks and its one engine.
 
 Weight sync, node by node: every rank packs the same bucket sequence for its own GPU (full HF
@@ -37,8 +38,8 @@ from colocate_rl import platform
 from colocate_rl.config import Config, cache_dir, first_line, layout
 from colocate_rl.handoff import ColocatedHandoff
 from colocate_rl.placement.base import engine_quantization, immediate_buffer
-from colocate_rl.placement.nodes import ProcessLost, gather, network_env, node_groups, short, where
-from colocate_rl.placement.ray_auth import authenticate
+from colocate_rl.placement.nodes import ProcessLost, gather, master_addr, network_env, node_groups, short, where
+from colocate_rl.placement.ray_auth import authenticate, local_token_file, use_token_file
 from colocate_rl.ports import reserve_port
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
@@ -58,9 +59,10 @@ def start_ray(cfg: Config, num_cpus: int | None = None) -> None:
     os.environ.update(NOSET)
     if cfg.placement.ray_address:
         authenticate(cfg)  # a cluster started by scripts/start_ray.sh admits only its token's holders
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
+    else:
+        use_token_file(local_token_file())  # the local instance admits only this run's processes
     tmp = os.environ.get("RAY_TMPDIR", str(cache_dir() / "ray"))
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(tmp, mode=0o700, exist_ok=True)
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": NOSET})
     if cfg.placement.ray_address:
         ray.init(address=cfg.placement.ray_address, **kwargs)
@@ -91,16 +93,13 @@ class _Host:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.obj, method)(*args, **kwargs)
 
-    def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
-
     def where(self) -> dict[str, Any]:
         """Node, process and the GPUs Ray assigned, as this process sees them."""
         return where()
 
-    def reserve_port(self) -> int:
-        """A port this process holds until a store it serves takes it: the stores of rank 0's groups."""
-        return reserve_port()
+    def reserve_port(self, host: str) -> int:
+        """A port on ``host`` this process holds until a store it serves takes it: the stores of rank 0's groups."""
+        return reserve_port(host)
 
     def describe(self) -> dict[str, Any]:
         """Where this process runs and what it uses, read from inside it (tests assert placement)."""
@@ -435,7 +434,8 @@ def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayColocated
     places = ray.get([r.where.remote() for r in ranks])
     names = rank_names(places)
     # Rank 0 holds its store's port from here until its Actor builds the process group (colocate_rl.ports).
-    master = {"MASTER_ADDR": places[0]["node_ip"], "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote()))}
+    addr = master_addr(places)
+    master = {"MASTER_ADDR": addr, "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote(addr)))}
     # Each node's GPUs of the run, in bundle order: rank k*rpn+i uses the node's i-th (LOCAL_RANK i).
     node_gpus = [[places[k * rpn + i]["gpu_ids"][0] for i in range(rpn)] if gpu else [] for k in range(lay.nnodes)]
     net = network_env()

@@ -50,6 +50,7 @@ from colocate_rl.trainer.logprobs import greedy_hits, token_logprobs
 from colocate_rl.trainer.offload import HostOffload
 from colocate_rl.trainer.reference import Reference
 from colocate_rl.types import RolloutBatch
+from colocate_rl.weight_sync import json_wire
 from colocate_rl.weight_sync.verify import checksums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -286,14 +287,12 @@ class Actor:
                 self._replay.clear()  # a recomputing backward set the last micro-batch's routing again
 
     def _last_stage_to_all(self, obj):
-        """Python object from the last pipeline stage to every stage."""
+        """A JSON value (the step's metrics) from the last pipeline stage to every stage."""
         ps = self._ps
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group_src=ps.get_pipeline_model_parallel_world_size() - 1,
-                                   group=ps.get_pipeline_model_parallel_group())
-        return box[0]
+        return json_wire.broadcast(obj, ps.get_pipeline_model_parallel_world_size() - 1,
+                                   ps.get_pipeline_model_parallel_group())
 
     # ------------------------------------------------------------ logprobs
 

@@ -6,6 +6,7 @@ On CPU the process group is gloo; on CUDA/ROCm it is nccl (RCCL on ROCm).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from datetime import timedelta
@@ -20,40 +21,29 @@ from colocate_rl import platform, ports
 
 def init_process_group() -> tuple[int, int]:
     """Joins (or creates) the default process group from RANK / WORLD_SIZE / MASTER_* env; a single
-    process with none of them set becomes a world of one. Rank 0 serves the store on MASTER_PORT's held
-    socket when this process reserved that port (colocate_rl.ports). Returns (rank, world size)."""
+    process with none of them set becomes a world of one. Rank 0 serves the store on MASTER_ADDR only
+    (colocate_rl.ports.tcp_store: on MASTER_PORT's held socket when this process reserved that port), and
+    a group on loopback keeps gloo's own sockets there too. Returns (rank, world size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # A lone process (no WORLD_SIZE) picks its own port: a MASTER_PORT it inherited belongs to its
+    addr = os.environ.setdefault("MASTER_ADDR", ports.LOOPBACK)
+    # A lone process (no WORLD_SIZE) takes a port of its own: a MASTER_PORT it inherited belongs to its
     # parent's process group (a test runner, a launcher), which is still listening on it.
-    pick_port = "MASTER_PORT" not in os.environ or "WORLD_SIZE" not in os.environ
-    if pick_port and world > 1:
-        raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
+    if "MASTER_PORT" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if world > 1:
+            raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT in the environment")
+        os.environ["MASTER_PORT"] = str(ports.reserve_port(addr))
+    if ports.is_loopback(addr):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ports.loopback_interface())
     if platform.has_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     timeout = timedelta(minutes=30)
-    port = int(os.environ.get("MASTER_PORT", 0))
-    if rank == 0 and not pick_port and ports.reserved(port):
-        # This process holds the port (placement reserved it here): the store serves on the held socket, so no
-        # other process can take it first. Prefixed as torch prefixes an env:// store, which the other ranks join.
-        store = ports.tcp_store(os.environ["MASTER_ADDR"], port, world, True, timeout, multi_tenant=True)
-        dist.init_process_group(platform.dist_backend(), store=dist.PrefixStore("default_pg", store), rank=rank,
-                                world_size=world, timeout=timeout)
-        return rank, world
-    for attempt in range(5):
-        if pick_port:
-            os.environ["MASTER_PORT"] = str(ports.free_port())
-        try:
-            dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world, timeout=timeout)
-            return rank, world
-        except dist.DistNetworkError:
-            # A port we picked for a world of one can be taken by another process between
-            # ports.free_port() closing it and the store binding it: pick again.
-            if not pick_port or attempt == 4:
-                raise
+    store = ports.tcp_store(addr, int(os.environ["MASTER_PORT"]), world, rank == 0, timeout, multi_tenant=True)
+    # Prefixed as torch prefixes an env:// store.
+    dist.init_process_group(platform.dist_backend(), store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world, timeout=timeout)
     return rank, world
 
 
@@ -77,11 +67,11 @@ _PORT_TAKEN = "the port picked for this process group was taken before its store
 
 def _worker(local_rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR=ports.LOOPBACK, MASTER_PORT=str(port))
     try:
         init_process_group()
-    except dist.DistNetworkError as e:
-        if "EADDRINUSE" in str(e):
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
             raise RuntimeError(f"{_PORT_TAKEN} ({port})") from None
         raise
     try:

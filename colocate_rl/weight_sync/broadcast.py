@@ -7,7 +7,9 @@ already own a default group (Megatron's world on the actor, vLLM's TP world in e
 must stay untouched. Backends: gloo on CPU, nccl on GPU — on ROCm torch's "nccl" backend is RCCL.
 
 Per bucket the sender broadcasts three things, in this order on every rank: the sizes (int64 [2]:
-header bytes, payload bytes; [0, 0] ends the sync), the pickled metas (uint8), then the payload
+header bytes, payload bytes; [0, 0] ends the sync), the header (uint8: JSON naming the dtype and each
+tensor's name, shape, offset and size; a receiver parses and checks it, and rejects it in one line
+unless every field is there with its type and every tensor lies inside the payload), then the payload
 as bytes (any dtype travels as its uint8 view, FP8 included: NCCL has no FP8 type everywhere).
 Pipelined: the sender packs bucket k+1 while bucket k is on the wire; a receiver loads bucket k
 while bucket k+1 is on the wire. Every wait has a timeout and a hang raises ``BroadcastTimeout``
@@ -19,7 +21,7 @@ what each rank is, e.g. "engine 1 worker 0 on 10.0.0.3").
 
 from __future__ import annotations
 
-import pickle
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from colocate_rl.config import first_line
-from colocate_rl.ports import tcp_store
+from colocate_rl.ports import is_loopback, tcp_store
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError
+from colocate_rl.weight_sync.json_wire import WireError, decode, dtype_name, dtype_named, encode
 
 
 POLL_S = 0.0005  # host-side polling of a collective: well below a bucket's transfer time
@@ -59,6 +62,55 @@ def backend_for(device: torch.device | str) -> str:
     return "gloo" if torch.device(device).type == "cpu" else "nccl"
 
 
+def encode_header(metas: list[TensorMeta]) -> torch.Tensor:
+    """A bucket's metas as JSON bytes (uint8): its one dtype, then [name, shape, offset, numel] per tensor."""
+    if len({m.dtype for m in metas}) != 1:
+        raise ValueError(f"a bucket holds one dtype, not {sorted({dtype_name(m.dtype) for m in metas})}")
+    return encode({"dtype": dtype_name(metas[0].dtype),
+                   "tensors": [[m.name, list(m.shape), m.offset, m.numel] for m in metas]})
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def decode_header(data: bytes | torch.Tensor, payload_bytes: int) -> list[TensorMeta]:
+    """The metas of a bucket whose payload is ``payload_bytes`` long; WireError (one line) unless ``data`` is
+    the JSON ``encode_header`` writes, every field of its type, and every tensor inside the payload."""
+    header = decode(data, "header")
+    if not isinstance(header, dict) or set(header) != {"dtype", "tensors"}:
+        raise WireError("header: not an object of 'dtype' and 'tensors'")
+    dtype = dtype_named(header["dtype"], "header 'dtype'")
+    size = torch.empty(0, dtype=dtype).element_size()
+    if payload_bytes % size:
+        raise WireError(f"header: a payload of {payload_bytes} bytes is not whole {dtype_name(dtype)} elements")
+    tensors = header["tensors"]
+    if not isinstance(tensors, list) or not tensors:
+        raise WireError("header 'tensors': not a non-empty list")
+    metas = []
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, list) and len(t) == 4 and isinstance(t[0], str) and t[0] and isinstance(t[1], list)
+                and all(map(_count, t[1])) and _count(t[2]) and _count(t[3])):
+            raise WireError(f"header tensor {i}: not [name, shape (sizes), offset, numel]")
+        name, shape, offset, numel = t
+        if math.prod(shape) != numel or offset + numel > payload_bytes // size:
+            raise WireError(f"header tensor {i} ({name[:80]!r}): shape {shape[:8]} with {numel} elements at "
+                            f"offset {offset} does not fit a payload of {payload_bytes // size}")
+        metas.append(TensorMeta(name, tuple(shape), dtype, offset, numel))
+    return metas
+
+
+def _gloo(store: dist.Store, rank: int, spec: GroupSpec, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """gloo's process group; its own sockets on loopback when the group is (every member on one node), else
+    where gloo puts them (GLOO_SOCKET_IFNAME, else the address the host name resolves to)."""
+    if not is_loopback(spec.master_addr):
+        return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.master_addr)]
+    return dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
+
+
 class BroadcastGroup:
     """One member of a weight-broadcast group. Rank 0 sends (``send``), the others ``receive``."""
 
@@ -83,7 +135,7 @@ class BroadcastGroup:
         try:
             if spec.backend == "gloo":
                 # gloo raises at its timeout (also while forming the group): the same limit as _wait's.
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+                self.pg = _gloo(prefixed, rank, spec, timeout)
             elif spec.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timedelta(seconds=2 * spec.timeout_s + 60)  # the watchdog's: _wait fires first
@@ -169,10 +221,9 @@ class BroadcastGroup:
         self._syncs += 1
         in_flight: tuple[dist.Work, Bucket, int] | None = None
         for i, bucket in enumerate(buckets):
-            header = pickle.dumps(bucket.metas)
-            self._sizes(len(header), bucket.nbytes, f"bucket {i}", i)
-            h = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-            self._wait(self._start(h), f"the header of bucket {i}", i)
+            header = encode_header(bucket.metas)
+            self._sizes(header.numel(), bucket.nbytes, f"bucket {i}", i)
+            self._wait(self._start(header.to(self.device)), f"the header of bucket {i}", i)
             work = self._start(bucket.flat.view(torch.uint8))
             if in_flight is not None:
                 self._wait(in_flight[0], f"bucket {in_flight[2]}", in_flight[2])
@@ -193,9 +244,14 @@ class BroadcastGroup:
         header_len, payload = self._sizes(0, 0, f"bucket {i}", i)
         if header_len == 0:
             return None
+        if header_len < 0 or payload < 0:
+            raise WeightSyncError(f"{self._who()}: bucket {i} rejected: sizes {header_len}, {payload}")
         h = torch.empty(header_len, dtype=torch.uint8, device=self.device)
         self._wait(self._start(h), f"the header of bucket {i}", i)
-        metas: list[TensorMeta] = pickle.loads(h.cpu().numpy().tobytes())
+        try:
+            metas = decode_header(h, payload)
+        except WireError as e:
+            raise WeightSyncError(f"{self._who()}: bucket {i} rejected: {e}") from None
         raw = torch.empty(payload, dtype=torch.uint8, device=self.device)
         return metas, raw, self._start(raw)
 
@@ -236,4 +292,4 @@ class BroadcastGroup:
         self._store = None
 
 
-__all__ = ["BroadcastGroup", "BroadcastTimeout", "GroupSpec", "backend_for"]
+__all__ = ["BroadcastGroup", "BroadcastTimeout", "GroupSpec", "backend_for", "decode_header", "encode_header"]

@@ -1,10 +1,13 @@
 """The weight broadcast group on CPU (gloo): two members in two threads of this process, real
 process groups over localhost. Round trip in the IPC bucket format (FP8 included), pipelining
-across several buckets, and a hang that times out naming the group, the rank that waited and the
-ranks that are silent."""
+across several buckets, a hang that times out naming the group, the rank that waited and the
+ranks that are silent, and a forged header (a pickle, bad JSON, wrong fields) that the receiver
+rejects in one line without running or loading anything."""
 
 from __future__ import annotations
 
+import json
+import pickle
 import threading
 
 import pytest
@@ -14,10 +17,11 @@ from colocate_rl.ports import reserve_port
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
 from colocate_rl.weight_sync.buckets import pack, unpack
 from colocate_rl.weight_sync.fp8 import quantize_named
+from colocate_rl.weight_sync.ipc import WeightSyncError
 
 
 def _spec(name: str, timeout_s: float = 30.0, world: int = 2) -> GroupSpec:
-    port = reserve_port()  # held by this process, where rank 0 serves the store, as placement does
+    port = reserve_port("127.0.0.1")  # held by this process, where rank 0 serves the store, as placement does
     members = ("actor rank 0 on 10.0.0.1", "engine 0 worker 0 on 10.0.0.3") if world == 2 else ()
     return GroupSpec(name, "127.0.0.1", port, world, "gloo", timeout_s, members)
 
@@ -138,3 +142,56 @@ def test_missing_member_fails_to_form_in_time():
                                                r"silent: rank 2 never joined$"):
         BroadcastGroup(spec, 0)
     th.join(10)
+
+
+class _CreatesFile:
+    """Unpickled, it opens ``path`` for writing: a file appears if anything unpickles the header."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _forged(kind: str, marker: str) -> bytes:
+    return {
+        "a pickle": pickle.dumps([_CreatesFile(marker)]),
+        "malformed JSON": b'{"dtype": "float32", "tensors": [["w", [2], 0',
+        "wrong fields": json.dumps({"dtype": "float32", "tensors": [["w", [2], 0, "2"]]}).encode(),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind,why", [("a pickle", "not JSON"), ("malformed JSON", "not JSON"),
+                                      ("wrong fields", "not [name, shape (sizes), offset, numel]")])
+def test_a_forged_header_is_rejected_and_nothing_runs(tmp_path, kind, why):
+    """Rank 0 sends sizes and a header of its own making: the receiver refuses the bucket with one
+    line naming the group, its rank and the bucket, loads nothing, and the pickle's code never runs."""
+    marker = tmp_path / "created-by-the-header"
+    header = _forged(kind, str(marker))
+    spec = _spec(f"forged-{kind.replace(' ', '-')}")
+    loaded = []
+
+    def receiver():
+        group = BroadcastGroup(spec, 1)
+        try:
+            return group.receive(loaded.append)
+        finally:
+            group.close()
+
+    th, out = _in_thread(receiver)
+    forger = BroadcastGroup(spec, 0)
+    forger._sizes(len(header), 8, "bucket 0", 0)
+    forger._wait(forger._start(torch.frombuffer(bytearray(header), dtype=torch.uint8)), "the header", 0)
+    th.join(30)
+    forger.close()
+    err = out.get("error")
+    assert isinstance(err, WeightSyncError), out
+    msg = str(err)
+    assert "\n" not in msg and msg.startswith(f"weight broadcast group '{spec.name}' rank 1 of 2: bucket 0 rejected: "
+                                              "header"), msg
+    assert why in msg, msg
+    assert loaded == [] and not marker.exists()
+    if kind == "a pickle":  # the bytes were a working payload: unpickled, they create the file
+        pickle.loads(header)
+        assert marker.exists()

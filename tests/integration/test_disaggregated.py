@@ -5,7 +5,9 @@ tests of this module (Ray and three engine-importing processes start once)."""
 from __future__ import annotations
 
 import json
+import re
 
+import psutil
 import pytest
 
 from colocate_rl import loop
@@ -82,6 +84,13 @@ def test_every_engine_holds_the_actors_weights_after_each_sync(session):
                 assert engine[name] == pytest.approx(value, rel=1e-12, abs=1e-9), (e, name)
         assert actor != before, "the step changed the weights"
         before = actor
+    # Every member on this one node: the group's store (actor rank 0's) listens on loopback only, and
+    # the group's name is 128 random bits.
+    rank0 = w.processes()["ranks"][0]
+    addr, port, name = rank0["broadcast"]
+    assert addr == rank0["env"]["MASTER_ADDR"] == "127.0.0.1" and re.fullmatch(r"weights-[0-9a-f]{32}", name)
+    assert [c.laddr.ip for c in psutil.Process(rank0["pid"]).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port] == ["127.0.0.1"]
 
 
 def test_router_keeps_each_prompt_group_on_one_engine(session):

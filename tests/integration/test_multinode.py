@@ -46,6 +46,9 @@ pytestmark = pytest.mark.slow
 def cluster():
     from ray.cluster_utils import Cluster
 
+    from colocate_rl.placement.ray_auth import local_token_file, use_token_file
+
+    use_token_file(local_token_file())  # every node, and this driver, with the token: no other process joins
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node takes no work
     ray.init(address=c.address)
     yield c
@@ -178,8 +181,7 @@ def test_a_node_that_does_not_see_the_checkpoint_folder_is_named(cluster, tmp_pa
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
          'mount -t tmpfs none "$0" && exec "$1" start --address "$2" --num-cpus 0 --resources \'{"unshared": 1}\' '
          '--disable-usage-stats --block', str(folder), ray_cli, cluster.address],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the cluster's token file
     try:
         deadline = time.monotonic() + 120
         while not (new := [n for n in ray.nodes() if n["Alive"] and "unshared" in n["Resources"]]):

@@ -3,7 +3,9 @@ machine: a client without the token (or with another one) is refused by the clus
 services, a driver given the token file through placement.ray_token_file runs work on it, the
 dashboard's Jobs API (where this Ray install has one) refuses an unauthenticated submission over
 HTTP and accepts one that carries the token; the token file is 0600 and its text shows in no output,
-log, command line or environment; `stop` leaves nothing of the node running.
+log, command line or environment; `stop` leaves nothing of the node running. The local instance a run
+starts (placement/ray_colocated.start_ray without placement.ray_address) admits only its own token
+too, kept in a 0600 file of the run's cache, and Ray writes nothing under $HOME.
 
 Without the dashboard's dependencies (`ray[default]`: aiohttp_cors, grpcio, opencensus, ...) Ray runs
 its dashboard in a minimal mode that serves no HTTP API at all; the Jobs API test is then skipped and
@@ -23,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from ray._private.utils import get_dashboard_dependency_error, get_ray_client_dependency_error
 
@@ -245,3 +248,72 @@ def test_stop_leaves_nothing_running(head):
     assert running(left) == set()
     assert not (head["state"] / "pgid").exists()
     assert head["token_file"].exists()  # kept for the next head, so the other nodes' copies stay valid
+
+
+# The project's driver starting a local instance: says where it is, then keeps it up until its stdin closes.
+LOCAL = """
+import json, os, sys, ray
+from colocate_rl.config import Config
+from colocate_rl.placement.ray_colocated import start_ray
+
+start_ray(Config())
+print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "token_file": os.environ["RAY_AUTH_TOKEN_PATH"],
+                  "logs": ray._private.worker._global_node.get_logs_dir_path(),
+                  "answer": ray.get(ray.remote(lambda: 6 * 7).remote())}), flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+def test_a_local_instance_admits_only_its_own_token(tmp_path):
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-c", LOCAL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=log, text=True, cwd=ROOT, env=clean_env(HOME=str(home),
+                                                                                 COLOCATE_RL_CACHE=str(cache)))
+    try:
+        line = driver.stdout.readline()
+        assert line, (tmp_path / "driver.log").read_text()[-3000:]
+        info = json.loads(line)
+        token_file = Path(info["token_file"])
+        token = token_file.read_text()
+        assert info["answer"] == 42
+        assert token_file.parent == cache / "ray-auth" and re.fullmatch(r"[0-9a-f]{64}", token)
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        assert oct(token_file.parent.stat().st_mode & 0o777) == "0o700"
+
+        # Clients on this machine, through loopback (the GCS listens on every interface of the node).
+        other = tmp_path / "other_token"
+        other.write_text(secrets.token_hex(32))
+        other.chmod(0o600)
+        address = f"127.0.0.1:{info['gcs'].rsplit(':', 1)[1]}"
+        refused = dict(HOME=str(home), RAY_gcs_server_port_wait_time_s="2")
+        envs = {"no token": clean_env(**refused),
+                "another token": clean_env(**refused, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(other))}
+        clients = {k: subprocess.Popen([sys.executable, "-c", CLIENT, address], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for k, env in envs.items()}
+        out = {k: p.communicate(timeout=300) for k, p in clients.items()}
+        for k, p in clients.items():
+            assert p.returncode == 0 and out[k][0].startswith("REFUSED") and "JOINED" not in out[k][0], (k, out[k])
+            assert "Authentication token is missing or incorrect" in out[k][1], (k, out[k][1][-2000:])
+
+        # The token is in no command line, environment or log of the instance; its file's path is.
+        pids = [driver.pid] + [c.pid for c in psutil.Process(driver.pid).children(recursive=True)]
+        assert any("gcs_server" in proc_text(p, "cmdline") for p in pids)
+        for pid in pids:
+            assert token not in proc_text(pid, "cmdline") and token not in proc_text(pid, "environ"), pid
+        assert any(f"RAY_AUTH_TOKEN_PATH={token_file}" in proc_text(p, "environ") for p in pids)
+        logs = [f for f in Path(info["logs"]).rglob("*") if f.is_file()] + [tmp_path / "driver.log"]
+        for f in logs:
+            assert token.encode() not in f.read_bytes(), f
+    finally:
+        driver.stdin.close()
+        try:
+            driver.wait(120)
+        except subprocess.TimeoutExpired:
+            driver.kill()  # the process this test started
+            raise
+    assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    assert not token_file.exists(), "removed when the driver exits"
+    assert sorted(home.rglob("*")) == [], "Ray wrote under $HOME"

@@ -34,6 +34,12 @@ def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
         # step (it raises on a mismatch); check once more by hand that both ranks were compared.
         assert s.workers.verify() >= 3
         assert s.handoff.phase == Phase.ROLLOUT
+        # Both ranks on this one node: their rendezvous is on loopback, and rank 0's store listens there only.
+        ranks = s.workers.processes()["ranks"]
+        assert [r["env"]["MASTER_ADDR"] for r in ranks] == ["127.0.0.1"] * 2
+        store = int(ranks[0]["env"]["MASTER_PORT"])
+        assert [c.laddr.ip for c in psutil.Process(ranks[0]["pid"]).net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == store] == ["127.0.0.1"]
 
         # The engine's Ray actor killed during a sync, then during generation: each time a new one
         # is started in its bundle, synced, and the step goes on.

@@ -18,7 +18,7 @@ def world_size_seen() -> int:
 
 def test_a_port_taken_before_the_store_binds_it_is_picked_again(monkeypatch):
     with socket.socket() as taken:
-        taken.bind(("", 0))
+        taken.bind(("127.0.0.1", 0))
         taken.listen()
         port, picked, real = taken.getsockname()[1], [], ports.free_port
 

@@ -1,11 +1,16 @@
-"""The weight-sync wire format: pack/unpack round trips, bucket limits, lazy consumption."""
+"""The weight-sync wire format: pack/unpack round trips, bucket limits, lazy consumption; the
+broadcast's JSON header round trip, and every way a header can be wrong refused in one line."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from colocate_rl.weight_sync.broadcast import decode_header, encode_header
 from colocate_rl.weight_sync.buckets import pack, unpack
+from colocate_rl.weight_sync.json_wire import WireError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
 MB = 2**20
@@ -122,3 +127,44 @@ def test_vocab_shard_checksums_add_up_to_the_whole_tensor():
     assert combine_worker_checksums([{"e": (tensor_checksum(s), True)} for s in shards])["e"] != \
         pytest.approx(tensor_checksum(t), rel=1e-9), "shards taken without their offsets must not pass"
     assert combine_worker_checksums(swapped)["embed.weight"] == pytest.approx(tensor_checksum(t), rel=1e-12)
+
+
+def test_header_round_trip():
+    for bucket in pack(iter(_named()), bucket_mb=0.25):
+        assert decode_header(encode_header(bucket.metas), bucket.nbytes) == bucket.metas
+
+
+HEADER = {"dtype": "bfloat16", "tensors": [["a", [2, 3], 0, 6], ["b", [], 6, 1]]}  # a payload of 7 bf16: 14 bytes
+
+
+@pytest.mark.parametrize("header,payload,why", [
+    (HEADER, 14, None),
+    (b"\x80\x04K\x01.", 14, "not JSON"),  # a pickle
+    (b"\xff\xfe", 14, "not JSON"),  # not UTF-8
+    ([], 14, "not an object of 'dtype' and 'tensors'"),
+    ({**HEADER, "extra": 1}, 14, "not an object of 'dtype' and 'tensors'"),
+    ({**HEADER, "dtype": "Tensor"}, 14, "'Tensor' is not a torch dtype"),
+    ({**HEADER, "dtype": "__class__"}, 14, "is not a torch dtype"),
+    ({**HEADER, "dtype": ["bfloat16"]}, 14, "is not a torch dtype"),
+    (HEADER, 13, "is not whole bfloat16 elements"),
+    ({**HEADER, "tensors": []}, 14, "not a non-empty list"),
+    ({**HEADER, "tensors": {"a": 1}}, 14, "not a non-empty list"),
+    ({**HEADER, "tensors": [["a", [2, 3], 0]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [["a", [2, 3], 0, 6.0]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [["a", [2, True], 0, 2]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [["a", [2, 3], -1, 6]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [["", [6], 0, 6]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [[7, [6], 0, 6]]}, 14, "header tensor 0: not [name"),
+    ({**HEADER, "tensors": [["a", [2, 3], 0, 5]]}, 14, "does not fit a payload of 7"),
+    ({**HEADER, "tensors": [["a", [2, 3], 2, 6]]}, 14, "does not fit a payload of 7"),
+])
+def test_a_header_is_parsed_and_checked(header, payload, why):
+    data = header if isinstance(header, bytes) else json.dumps(header).encode()
+    if why is None:
+        metas = decode_header(data, payload)
+        assert [(m.name, m.shape, m.dtype, m.offset, m.numel) for m in metas] == \
+            [("a", (2, 3), torch.bfloat16, 0, 6), ("b", (), torch.bfloat16, 6, 1)]
+        return
+    with pytest.raises(WireError) as e:
+        decode_header(data, payload)
+    assert why in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -1,6 +1,7 @@
 """Several nodes in the layout and the placement's pure parts: what a node holds (GPUs; on CPU the
 actor ranks split over the nodes), the checks that name the field, each node's senders and merged
-sync message, and which variables of the driver's environment reach every process."""
+sync message, which variables of the driver's environment reach every process, and where a group's
+store listens."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from colocate_rl.config import Config, ConfigError, ModelConfig, layout, load
 
 pytest.importorskip("ray")
 from colocate_rl.placement.disaggregated import pools  # noqa: E402 - needs ray
-from colocate_rl.placement.nodes import network_env  # noqa: E402
+from colocate_rl.placement.nodes import master_addr, network_env  # noqa: E402
 from colocate_rl.placement.ray_colocated import node_messages, rank_names, senders_by_node  # noqa: E402
 
 
@@ -87,3 +88,12 @@ def test_rank_names_say_where():
                         {"node_ip": "10.0.0.2", "node_id": "99887766aa"}])
     assert names == ["actor rank 0 of 2 on 10.0.0.1 (Ray node abcdef01)",
                      "actor rank 1 of 2 on 10.0.0.2 (Ray node 99887766)"]
+
+
+def test_a_group_on_one_node_rendezvous_on_loopback():
+    a0, a1, b = ({"node_ip": "10.0.0.1", "node_id": "a"}, {"node_ip": "10.0.0.1", "node_id": "a"},
+                 {"node_ip": "10.0.0.2", "node_id": "b"})
+    assert master_addr([a0]) == master_addr([a0, a1]) == "127.0.0.1"
+    assert master_addr([a0, a1, b]) == "10.0.0.1" and master_addr([b, a0]) == "10.0.0.2"
+    # Two Ray nodes of one machine share an address but not a node: the first one's address.
+    assert master_addr([a0, {"node_ip": "10.0.0.1", "node_id": "c"}]) == "10.0.0.1"
