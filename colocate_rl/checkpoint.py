@@ -277,7 +277,7 @@ def read(path: Path) -> dict:
     check_actor); raises CheckpointCorrupt / CheckpointUnsafe saying which file and why."""
     verify(path)
     state = load_data(path / STATE, path / STATE)
-    if not isinstance(state, dict) or not {"step", "config"} <= state.keys():
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "step" not in state:
         raise CheckpointCorrupt(f"{path / STATE} is not a trainer state (no step and config)")
     if (path / ACTOR).is_dir():
         check_actor(path / ACTOR)
