@@ -6,8 +6,14 @@ Atomic: a checkpoint is written as ``<dir>/step_00000025.partial``, every file i
 ``manifest.json`` (every file's size, and a sha256 of the files small enough to hash cheaply) is
 written last, then the folder is renamed to ``step_00000025`` and the parent synced. A crash or a
 full disk mid-save leaves only a ``.partial`` folder, which never replaces a good checkpoint and is
-removed at the next save. On resume a checkpoint whose files disagree with its manifest is
-skipped, with a log line, for the one before it.
+removed at the next save. On resume a checkpoint whose files disagree with its manifest, or whose
+actor does not load, is skipped, with a log line, for the one before it; an explicit
+``checkpoint.resume=<folder>`` with nothing usable there is a config error naming why.
+
+Loading never runs code a checkpoint folder carries: the trainer state is read with
+``torch.load(weights_only=True)``, and the actor's pickled parts (torch's ``.metadata``, the
+non-tensor items in its shards, a legacy ``common.pt``) are checked before megatron-core's reader,
+which unpickles them without restriction, sees them (``check_actor``). Folders are 0700, files 0600.
 
     python -m colocate_rl.checkpoint export <checkpoint folder> <out folder>   # → HF safetensors
 """
@@ -15,9 +21,12 @@ skipped, with a log line, for the one before it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -28,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from colocate_rl import config as C
+from colocate_rl.private import opener, private_dir, seal
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
@@ -43,6 +53,11 @@ HARMLESS = ("logging.", "checkpoint.", "eval.", "steps", "placement.launcher", "
 
 class CheckpointCorrupt(RuntimeError):
     """A checkpoint folder whose files do not match its manifest (or cannot be read)."""
+
+
+class CheckpointUnsafe(CheckpointCorrupt):
+    """A checkpoint file that holds more than data (pickled functions or classes beyond checkpoint
+    data's): loading it could run code, so it is refused."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -122,13 +137,15 @@ def _files(folder: Path) -> Iterator[Path]:
 
 
 def write_manifest(folder: Path, meta: dict) -> None:
+    seal(folder)  # the actor's shards come from megatron-core's writer with the umask's modes
     files = {}
     for p in _files(folder):
         _fsync(p)
         size = p.stat().st_size
         files[str(p.relative_to(folder))] = {"size": size, **({"sha256": _sha256(p)} if size <= _HASH_LIMIT else {})}
     tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({**meta, "files": files}, indent=1))
+    with open(tmp, "w", opener=opener) as f:
+        f.write(json.dumps({**meta, "files": files}, indent=1))
     _fsync(tmp)
     tmp.rename(folder / MANIFEST)
 
@@ -151,6 +168,120 @@ def verify(folder: Path) -> dict:
         if "sha256" in info and _sha256(p) != info["sha256"]:
             raise CheckpointCorrupt(f"{p} does not match its sha256 in the manifest")
     return manifest
+
+
+# ---------------------------------------------------------------- loading without running code
+
+
+def load_data(source: Path | bytes, where: Path | str):
+    """``torch.load(weights_only=True)`` of a file or of bytes: tensors and plain containers only.
+    Raises CheckpointUnsafe naming the file and what it holds beyond data, CheckpointCorrupt when it
+    cannot be read."""
+    try:
+        return torch.load(io.BytesIO(source) if isinstance(source, bytes) else source, map_location="cpu",
+                          weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's weights-only unpickler refused it
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
+            raise CheckpointUnsafe(f"{where} holds {found[1]}, which checkpoint data never holds: refused "
+                                   "(loading it could run code)") from None
+        said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))
+        raise CheckpointUnsafe(f"{where} is not plain tensor data (torch.load with weights_only: "
+                               f"{said[1] if said else C.error_line(e)}): refused") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointCorrupt(f"{where} is unreadable ({C.error_line(e)})") from None
+
+
+# What torch's distributed checkpoint metadata (and megatron-core's, the torch_dist format) pickles:
+# its own dataclasses, the save plans kept in it, shapes, dtypes and layouts. Nothing here runs code
+# when the unpickler builds it.
+_DCP = "torch.distributed.checkpoint"
+_METADATA_GLOBALS = {
+    *((f"{_DCP}.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                                         "_MEM_FORMAT_ENCODING")),
+    *((f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointUnsafe(f"holds {module}.{name}")
+
+
+def read_metadata(path: Path):
+    """A distributed checkpoint's ``.metadata`` through an allow-list of the classes torch's
+    checkpoint metadata is made of (torch's own reader unpickles it without one)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with path.open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointUnsafe as e:
+        raise CheckpointUnsafe(f"{path} {e}, which checkpoint metadata never holds: refused "
+                               "(loading it could run code)") from None
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointCorrupt(f"{path} is unreadable ({C.error_line(e)})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorrupt(f"{path} is not a distributed checkpoint's metadata ({type(metadata).__name__})")
+    return metadata
+
+
+def check_actor(folder: Path) -> None:
+    """Refuses (CheckpointUnsafe) an actor checkpoint folder whose pickled parts hold anything but
+    checkpoint data, before megatron-core's reader unpickles them without restriction: every
+    ``*.metadata`` through the allow-list, every non-tensor item of the shards it lists (megatron's
+    ShardedObjects: its common state, extra states) and a legacy ``common.pt`` with weights_only.
+    Tensor items are raw bytes; ``metadata.json`` is JSON."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for path in sorted(folder.glob("*.metadata")):
+        metadata = read_metadata(path)
+        try:
+            for index, info in metadata.storage_data.items():
+                if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                    _check_item(folder, index.fqn, info)
+        except (AttributeError, TypeError) as e:  # built of allowed classes, but not as torch builds them
+            raise CheckpointCorrupt(f"{path} is malformed ({C.error_line(e)})") from None
+    if (folder / "common.pt").is_file():
+        load_data(folder / "common.pt", folder / "common.pt")
+
+
+def _check_item(folder: Path, fqn: str, info) -> None:
+    """One non-tensor item of a shard (``info``: torch's _StorageInfo) through weights_only."""
+    where = f"{folder / str(info.relative_path)} (item {fqn})"
+    if info.transform_descriptors:
+        raise CheckpointUnsafe(f"{where} is stored transformed ({info.transform_descriptors}), which this "
+                               "check cannot read: refused")
+    shard = (folder / info.relative_path).resolve()
+    if shard.parent != folder.resolve():
+        raise CheckpointUnsafe(f"{where} lies outside its checkpoint folder: refused")
+    try:
+        with shard.open("rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"{where} is unreadable ({C.error_line(e)})") from None
+    if len(data) != info.length:
+        raise CheckpointCorrupt(f"{where} is cut short ({len(data)} of {info.length} bytes)")
+    load_data(data, where)
+
+
+def read(path: Path) -> dict:
+    """The trainer state of an intact checkpoint whose files hold data only (verify, load_data,
+    check_actor); raises CheckpointCorrupt / CheckpointUnsafe saying which file and why."""
+    verify(path)
+    state = load_data(path / STATE, path / STATE)
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "step" not in state:
+        raise CheckpointCorrupt(f"{path / STATE} is not a trainer state (no step and config)")
+    if (path / ACTOR).is_dir():
+        check_actor(path / ACTOR)
+    return state
 
 
 @dataclass
@@ -208,12 +339,13 @@ class CheckpointStore:
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".partial")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
             for stale in self.root.glob("*.partial"):
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+            tmp.mkdir(mode=0o700)
             write_actor(str(tmp / ACTOR))
-            torch.save(trainer_state, tmp / STATE)
+            with open(tmp / STATE, "wb", opener=opener) as f:
+                torch.save(trainer_state, f)
             write_manifest(tmp, {"step": step, "config_hash": config_hash(trainer_state["config"])})
             if final.exists():  # a re-run of the same step (after a resume) replaces it
                 shutil.rmtree(final)
@@ -248,23 +380,39 @@ class CheckpointStore:
         return found
 
     def load(self, resume: str, current_config: dict, load_actor: Callable[[str], None]) -> Optional[Loaded]:
-        """Restores the newest intact checkpoint: checks the config, then ``load_actor(folder)``.
-        A damaged checkpoint is skipped for the previous one (logged); a config that changes results
-        raises ConfigError."""
-        tried = []
+        """Restores the newest usable checkpoint: checks its files and config, then
+        ``load_actor(folder)``. A damaged or refused checkpoint, or one whose actor does not load,
+        is skipped for the previous one (logged). Raises ConfigError when the config changed in a
+        way that alters results, when an explicit ``resume`` folder holds nothing usable, and when
+        an actor failed part-way through loading and no earlier checkpoint replaced its state."""
+        tried, why, actor_failed = [], "", False
         for path in self.candidates(resume):
             try:
-                verify(path)
-                state = torch.load(path / STATE, weights_only=False)
-            except (CheckpointCorrupt, OSError, RuntimeError, EOFError) as e:
-                self.log(f"checkpoint {path} is damaged ({e}); trying the previous one")
+                state = read(path)
+            except CheckpointCorrupt as e:
+                why = str(e)
+                self.log(f"checkpoint {path} is {'refused' if isinstance(e, CheckpointUnsafe) else 'damaged'} "
+                         f"({e}); trying the previous one")
                 tried.append(path.name)
                 continue
             check_resume_config(state["config"], current_config, path)
-            load_actor(str(path / ACTOR))
+            try:
+                load_actor(str(path / ACTOR))
+            # A shard the manifest cannot vouch for (one too large to hash, or damaged before the
+            # manifest was written) fails inside megatron-core's reader; torch reports it as a
+            # CheckpointException, a BaseException.
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - the previous checkpoint is tried
+                why, actor_failed = f"{path / ACTOR} does not load ({_why(e)})", True
+                self.log(f"checkpoint {path} is damaged ({why}); trying the previous one")
+                tried.append(path.name)
+                continue
             if tried:
                 self.log(f"resumed from {path.name} instead of {', '.join(tried)}")
             return Loaded(path, int(state["step"]), state)
+        if tried and (resume != "auto" or actor_failed):
+            hint = "" if resume != "auto" else "; the actor is partly loaded"
+            raise C.ConfigError(f"checkpoint.resume={resume}: no usable checkpoint ({why}){hint}; repair it, "
+                                "point checkpoint.resume at another, or start afresh with checkpoint.resume=never")
         if tried:
             self.log(f"no intact checkpoint under {self.root}: starting from step 0")
         return None
@@ -276,25 +424,25 @@ class CheckpointStore:
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """An HF safetensors folder (config.json, tokenizer, weights) from a checkpoint, through a
     one-rank actor built from the checkpoint's own config (megatron-core reshards on load)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = read(checkpoint)  # before anything heavy loads: a refused checkpoint stops in one line
     from safetensors.torch import save_file
 
     from colocate_rl.trainer import Actor
 
-    checkpoint, out = Path(checkpoint), Path(out)
-    verify(checkpoint)
-    state = torch.load(checkpoint / STATE, weights_only=False)
     cfg = C.from_dict(state["config"])
     cfg.actor.tp = cfg.actor.pp = cfg.actor.ep = 1
     cfg.actor.dp = 0
     actor = Actor(cfg)
     actor.load_checkpoint(str(checkpoint / ACTOR))
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     weights = {name: t.detach().to("cpu").contiguous().clone() for name, t in actor.export_hf_weights()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     src = Path(actor.model_path)  # tokenizer and config files of the model trained
     for f in src.iterdir():
         if f.suffix in (".json", ".txt", ".model", ".tiktoken", ".jinja") and "safetensors" not in f.name:
             shutil.copy2(f, out / f.name)
+    seal(out)
     return out
 
 
@@ -302,7 +450,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "export":
         print("usage: python -m colocate_rl.checkpoint export <checkpoint folder> <out folder>", file=sys.stderr)
         return 2
-    print(export_hf(argv[1], argv[2]))
+    try:
+        print(export_hf(argv[1], argv[2]))
+    except CheckpointCorrupt as e:
+        print(f"error: cannot export {argv[1]}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from colocate_rl.private import private_dir
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the field."""
@@ -906,5 +908,5 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
 
 
 def cache_dir() -> Path:
-    """Run-local cache root (scripts/setup_env.sh exports COLOCATE_RL_CACHE)."""
-    return Path(os.environ.get("COLOCATE_RL_CACHE", ".cache")).resolve()
+    """Run-local cache root (scripts/setup_env.sh exports COLOCATE_RL_CACHE), created private."""
+    return private_dir(Path(os.environ.get("COLOCATE_RL_CACHE", ".cache")).resolve())

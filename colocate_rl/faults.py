@@ -6,9 +6,11 @@ asks for it:
 
 - in-process: ``on(hook)`` registers ``hook(name, step)`` (the tests kill the engine at a phase);
 - across processes: ``COLOCATE_RL_FAULT=<signal>@<name>:<step>`` sends this process a signal at that
-  point of that step: ``kill`` (SIGKILL, a crash) or ``int`` (SIGINT, a Ctrl-C), in the first attempt
-  of a supervised run only (``COLOCATE_RL_ATTEMPT`` unset or 0), so the restarted run gets past it
-  (the supervisor and Ctrl-C drills in tests/integration/test_checkpoint.py).
+  point of that step: ``kill`` (SIGKILL, a crash), ``int`` (SIGINT, a Ctrl-C) or ``stop`` (SIGSTOP:
+  the process waits there until the drill, having done its part, sends it SIGCONT), in the first
+  attempt of a supervised run only (``COLOCATE_RL_ATTEMPT`` unset or 0), so the restarted run gets
+  past it (the supervisor, Ctrl-C and signal drills in tests/integration/test_checkpoint.py and
+  test_supervise.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Callable
 
 Hook = Callable[[str, int], None]
 _hooks: list[Hook] = []
-SIGNALS = {"kill": signal.SIGKILL, "int": signal.SIGINT}  # COLOCATE_RL_FAULT's <signal> names
+SIGNALS = {"kill": signal.SIGKILL, "int": signal.SIGINT, "stop": signal.SIGSTOP}  # COLOCATE_RL_FAULT's <signal> names
 
 
 def on(hook: Hook) -> Callable[[], None]:

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from colocate_rl.private import opener, private_dir, write_text
+
 
 class PhaseTimer:
     """``with timer("generate"): ...`` adds the seconds to ``time/generate``; order is kept for the plot."""
@@ -33,9 +35,9 @@ class MetricsLog:
     def __init__(self, run_dir: Path, config: dict, wandb_project: str = "", wandb_mode: str = "disabled",
                  run_name: str = ""):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = open(self.path, "a", opener=opener)
         self._wandb = None
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -58,9 +60,9 @@ class MetricsLog:
         rows = read(self.path) if self.path.exists() else []
         keep = [r for r in rows if r.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        write_text(tmp, "".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(self.path)
-        self._file = self.path.open("a")
+        self._file = open(self.path, "a", opener=opener)
         return len(rows) - len(keep)
 
     def close(self) -> None:
@@ -138,6 +140,7 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
     ax2.set_title("seconds per phase")
     ax2.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    with open(out_png, "wb", opener=opener) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return out_png

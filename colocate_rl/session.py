@@ -23,6 +23,7 @@ from colocate_rl.metrics import MetricsLog, plot
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
 from colocate_rl.plan import RunPlan, resolve
+from colocate_rl.private import private_dir, write_text
 from colocate_rl.rewards import RewardScorer
 from colocate_rl.trainer import NonfiniteGuard
 from colocate_rl.types import Sample
@@ -60,7 +61,7 @@ class Session:
         measured = self.handoff.machine.peak_used()
         if any(measured.values()):  # predicted vs measured bytes per phase (GPU runs)
             print(self.plan.memory.table(measured), flush=True)
-            (self.run_dir / "memory.json").write_text(json.dumps(
+            write_text(self.run_dir / "memory.json", json.dumps(
                 {"predicted": self.plan.memory.peaks(), "measured": measured, "parts": self.plan.memory.parts,
                  "offload": list(self.plan.memory.offload), "capacity": self.plan.capacity}, indent=1))
         if self.cfg.logging.plot and (self.run_dir / "metrics.jsonl").exists():
@@ -81,8 +82,8 @@ def start_session(cfg: C.Config) -> Session:
     random.seed(cfg.seed)
     run_dir = Path(cfg.logging.run_dir) / (cfg.logging.run_name or
                                            f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+    private_dir(run_dir)
+    write_text(run_dir / "config.yaml", C.to_yaml(cfg))
     plan, tokenizer, train, eval_sets = read_inputs(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")

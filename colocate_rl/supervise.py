@@ -1,27 +1,37 @@
 """The run survives its own crash: ``supervise.max_restarts=N`` runs the recipe as a child process
 and, when the child dies (a killed process, a rank or engine error it could not recover from),
-starts it again from its newest intact checkpoint, at most N times. A config error, the NaN stop
-and Ctrl-C end the run: starting again would only repeat them.
+starts it again from its newest intact checkpoint, at most N times. A config error or other bad
+input (exit code 2), the NaN stop and Ctrl-C end the run: starting again would only repeat them.
 
-Every restart is logged with its cause to the console and to ``<run folder>/supervisor.log``. The
-child runs in a process group of its own; what it leaves behind when it dies (engine processes,
-reward workers) is killed with the group before the next attempt.
+Signals: the child runs in a process group of its own, in the supervisor's session and terminal, so
+a Ctrl-C at the terminal reaches only the supervisor, which passes it on. The first Ctrl-C, SIGTERM
+or SIGHUP is sent to the run's main process as a SIGINT: it stops after its step and writes a
+checkpoint (loop.StopOnInterrupt), while its engines and workers, which would die of a SIGINT of
+their own, are stopped by it in order. A second stops the run at once; a third kills its group.
+After a signal the supervisor never restarts.
+
+Every restart and signal is logged to the console and to ``<run folder>/supervisor.log``. What the
+child leaves behind when it ends (engine processes, reward workers) is killed with its group before
+the supervisor goes on.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from colocate_rl.cli import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE
 from colocate_rl.config import Config
+from colocate_rl.metrics import read
+from colocate_rl.private import opener, private_dir
 
-FINAL = {0: "finished", EXIT_CONFIG: "a config error", EXIT_NONFINITE: "the NaN stop", EXIT_INTERRUPTED: "Ctrl-C"}
+FINAL = {0: "finished", EXIT_CONFIG: "bad input", EXIT_NONFINITE: "the NaN stop", EXIT_INTERRUPTED: "Ctrl-C"}
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def cause(code: int) -> str:
@@ -31,42 +41,87 @@ def cause(code: int) -> str:
 
 
 def last_step(run_dir: Path) -> int:
+    """The last step in the run's metrics (a last line cut short by a crash is left out)."""
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return max((r.get("step", 0) for r in rows), default=0)
+    return max((r.get("step", 0) for r in read(path)), default=0) if path.is_file() else 0
+
+
+class Forwarder:
+    """While active, SIGINT, SIGTERM and SIGHUP to the supervisor are passed on to the child: the
+    first and the second as a SIGINT to its main process (stop after the step; stop now), a later
+    one as a SIGKILL to its whole group. The handler only makes system calls (kill, write): it may
+    interrupt the supervisor anywhere."""
+
+    def __init__(self, log: Path):
+        self.log, self.received, self.sent = log, 0, 0
+        self.child: Optional[subprocess.Popen] = None
+        self._previous: dict[int, object] = {}
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """The child, in a process group of its own; a signal that came while it was starting is
+        passed on once it exists."""
+        child = subprocess.Popen(cmd, env=env, process_group=0)
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            self.child, self.sent = child, 0
+            if self.received:
+                self._forward(signal.SIGINT.name)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        return child
+
+    def _forward(self, name: str) -> None:
+        self.sent += 1
+        if self.sent <= 2:
+            os.kill(self.child.pid, signal.SIGINT)
+            _note(self.log, f"{name}: asked the run to stop " + ("after its step" if self.sent == 1 else "now"))
+        else:
+            _kill_group(self.child.pid)
+            _note(self.log, f"{name}: killed the run")
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received += 1
+        if self.child is not None and self.child.returncode is None:
+            self._forward(signal.Signals(signum).name)
+
+    def __enter__(self) -> "Forwarder":
+        self._previous = {s: signal.signal(s, self._handle) for s in FORWARDED}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def supervise(cfg: Config, argv: list[str]) -> int:
-    """Returns the exit code of the last attempt."""
+    """Returns the exit code of the last attempt (128 + the signal's number when it was killed)."""
     name = cfg.logging.run_name or f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.logging.run_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = private_dir(Path(cfg.logging.run_dir) / name)
     log = run_dir / "supervisor.log"
     base = [sys.executable, sys.argv[0], *argv, f"logging.run_name={name}"]
     limit = cfg.supervise.max_restarts
-    for attempt in range(limit + 1):
-        # Later attempts continue from this run's own newest checkpoint, whatever the first resumed from.
-        cmd = base + (["checkpoint.resume=auto"] if attempt else [])
-        child = subprocess.Popen(cmd, env={**os.environ, "COLOCATE_RL_ATTEMPT": str(attempt)}, start_new_session=True)
-        try:
+    with Forwarder(log) as signals:
+        for attempt in range(limit + 1):
+            if signals.received:  # between attempts: the run is not started again
+                _note(log, "stopped by a signal before restarting the run")
+                return EXIT_INTERRUPTED
+            # Later attempts continue from this run's own newest checkpoint, whatever the first resumed from.
+            cmd = base + (["checkpoint.resume=auto"] if attempt else [])
+            child = signals.start(cmd, {**os.environ, "COLOCATE_RL_ATTEMPT": str(attempt)})
             code = child.wait()
-        except KeyboardInterrupt:  # the child got the Ctrl-C too (same terminal): let it stop cleanly
-            code = child.wait()
-        _kill_group(child.pid)
-        if code in FINAL or attempt == limit:
-            if code not in FINAL:
-                _note(log, f"the run died ({cause(code)}) after step {last_step(run_dir)}; "
-                           f"{limit} restart(s) used: giving up")
-            return code
-        _note(log, f"restart {attempt + 1}/{limit}: the run died ({cause(code)}) after step {last_step(run_dir)}; "
-                   "resuming from its newest intact checkpoint")
+            _kill_group(child.pid)
+            if signals.received or code in FINAL or attempt == limit:
+                if not signals.received and code not in FINAL:
+                    _note(log, f"the run died ({cause(code)}) after step {last_step(run_dir)}; "
+                               f"{limit} restart(s) used: giving up")
+                return 128 - code if code < 0 else code
+            _note(log, f"restart {attempt + 1}/{limit}: the run died ({cause(code)}) after step "
+                       f"{last_step(run_dir)}; resuming from its newest intact checkpoint")
     raise AssertionError("unreachable")
 
 
 def _kill_group(pgid: int) -> None:
-    """Whatever the dead child left in its process group (engine cores, reward workers)."""
+    """Whatever is left in the child's process group (engine cores, reward workers)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -74,6 +129,10 @@ def _kill_group(pgid: int) -> None:
 
 
 def _note(log: Path, line: str) -> None:
-    print(f"[supervisor] {line}", flush=True)
-    with log.open("a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    """The line on the console and in the log, by plain writes (it is called from a signal handler)."""
+    os.write(sys.stdout.fileno(), f"[supervisor] {line}\n".encode())
+    fd = opener(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n".encode())
+    finally:
+        os.close(fd)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from colocate_rl.config import read_model_config
+from colocate_rl.private import private_dir, seal
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
@@ -289,5 +290,6 @@ def ensure_model(shape: str, path: str | Path, seed: int = 0, dtype: str = "floa
     p = Path(path)
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return p
-    p.mkdir(parents=True, exist_ok=True)
-    return build_model(shape, p, seed=seed, dtype=dtype)
+    built = build_model(shape, private_dir(p), seed=seed, dtype=dtype)
+    seal(built)  # HF's save_pretrained and safetensors write with the umask's modes
+    return built

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -52,6 +53,9 @@ def _finite(value) -> float:
 
 def _serve(conn: Connection, fn: RewardFn) -> None:
     """Worker: (row, response, label) in, (row, ok, reward or error text) out; row -1 means ready."""
+    # A Ctrl-C at the terminal reaches every process of the run: the run stops after its step and
+    # closes the scorer then, so a worker that died of it would fail that step's scoring.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send((-1, True, 0.0))
     while True:
         try:

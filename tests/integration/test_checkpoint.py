@@ -63,7 +63,7 @@ def model_weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
     out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt / ck.ACTOR), str(out))
     # Megatron's parameter names, and the optimizer state too
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in torch.load(out, weights_only=True).items() if isinstance(v, torch.Tensor)}
 
 
 # Slow: two runs of the recipe command, one of them twice (each starts vLLM and megatron-core,
