@@ -10,7 +10,7 @@ CUDA_/HIP_VISIBLE_DEVICES; that is why the key is the UUID and the receiver rebu
 A payload is ``ForkingPickler.dumps((handle, metas, (pid, token)))`` where ``handle`` is torch's
 ``reduce_tensor`` of the bucket, ``(rebuild_fn, args)``. Plain bytes travel through vLLM's msgpack
 RPC without ``VLLM_ALLOW_INSECURE_SERIALIZATION``, and an entry is unpickled only by the worker it
-is for. A receiver in the sender's own process (vLLM in-process, TP=1) cannot use a CUDA handle:
+is for, through an allow-list of torch's tensor rebuilders (a handle has no other form). A receiver in the sender's own process (vLLM in-process, TP=1) cannot use a CUDA handle:
 torch cannot reopen its own IPC handle ("invalid device context"), and a handle made but never
 opened elsewhere keeps its block alive until exit (torch's IPC limbo). ``IpcSender(same_process=
 True)`` sends no handle then, only a token for the bucket held in this process.
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor, reduce_tensor
 
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, pack
 
@@ -144,6 +144,30 @@ class _RecordingPickler(ForkingPickler):
         if isinstance(obj, resource_sharer.DupFd):
             self.fd_keys.append(obj._id[1])
         return NotImplemented
+
+
+# The globals a payload may name: torch's rebuilders of a shared tensor, the types they take, and the
+# bucket's TensorMeta. An unpickled global can be any callable, so anything else is refused.
+_REBUILDERS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_fd",
+               "rebuild_storage_filename", "rebuild_storage_empty")
+_PAYLOAD_GLOBALS = {("torch.multiprocessing.reductions", n) for n in _REBUILDERS} | {
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "UntypedStorage"), ("torch", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
+    (TensorMeta.__module__, TensorMeta.__name__),
+}
+
+
+class _PayloadUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PAYLOAD_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise WeightSyncError(f"a weight-sync payload names {module}.{name}, which no tensor handle holds: refused")
+
+
+def _loads(payload: bytes) -> Any:
+    """A payload through the allow-list above (CPU: maps the shared memory now)."""
+    return _PayloadUnpickler(io.BytesIO(payload)).load()
 
 
 def _dumps(obj: Any) -> tuple[bytes, list]:
@@ -254,7 +278,7 @@ class IpcReceiver:
     @contextmanager
     def open(self, message: Message) -> Iterator[Bucket]:
         """Yields the bucket (``unpack`` names its tensors); the mapping/handle is dropped on exit."""
-        handle, metas, (pid, token) = pickle.loads(self.payload(message))  # CPU: maps the shared memory now
+        handle, metas, (pid, token) = _loads(self.payload(message))
         if handle is None:
             flat = _SENT.get(token) if pid == os.getpid() else None
             if flat is None:
@@ -266,9 +290,10 @@ class IpcReceiver:
             args = list(handle[1])
             args[_CUDA_DEVICE_ARG] = self.device.index  # the sender's index means nothing in this process
             flat = rebuild_cuda_tensor(*args)
+        elif handle[0] is rebuild_tensor:
+            flat = rebuild_tensor(*handle[1])
         else:
-            fn, args = handle
-            flat = fn(*args)
+            raise WeightSyncError(f"a weight-sync payload's handle is {handle[0]!r}, not a tensor rebuilder: refused")
         bucket = Bucket(flat, metas)
         if handle is None and flat.is_cuda:
             # The sender's own block: the caching allocator reuses it only after this stream's copies
