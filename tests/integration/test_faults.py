@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from colocate_rl import loop
+from colocate_rl.algorithms import ADVANTAGES
 from colocate_rl.config import ConfigError
 from colocate_rl.metrics import read
 from colocate_rl.session import start_session
@@ -25,11 +26,23 @@ from colocate_rl.session import start_session
 from test_loop import tiny_cfg  # noqa: E402 - same folder
 
 
-def test_reward_faults_are_counted_and_nan_updates_skipped_then_stop(tmp_path, tiny_model):
-    # adv_eps=0: a group whose rewards are all equal gets 0/0 = NaN advantages, hence NaN loss and
-    # gradients (a real misconfiguration). The faulty reward hangs, raises or returns NaN by row.
+@pytest.fixture
+def unguarded_grpo():
+    """GRPO without the std's epsilon: a group whose rewards are all equal gets 0/0 = NaN advantages,
+    hence NaN loss and gradients (the config refuses algorithm.adv_eps=0, so it is registered here)."""
+    def grpo_0_over_0(rewards, n, cfg):
+        r = rewards.view(-1, n)
+        return ((r - r.mean(1, keepdim=True)) / r.std(1, keepdim=True, unbiased=False)).view(-1)
+
+    ADVANTAGES["test_grpo_0_over_0"] = grpo_0_over_0
+    yield "test_grpo_0_over_0"
+    ADVANTAGES.pop("test_grpo_0_over_0")
+
+
+def test_reward_faults_are_counted_and_nan_updates_skipped_then_stop(tmp_path, tiny_model, unguarded_grpo):
+    # The faulty reward hangs, raises or returns NaN by row; its all-equal groups make NaN updates.
     cfg = tiny_cfg(tmp_path, tiny_model, **{
-        "reward.name": "fault_rewards:faulty", "reward.timeout_s": "1", "algorithm.adv_eps": "0",
+        "reward.name": "fault_rewards:faulty", "reward.timeout_s": "1", "algorithm.advantage": unguarded_grpo,
         "steps": "6", "actor.max_nonfinite_in_row": "3", "checkpoint.at_end": "false"})
     with pytest.raises(FloatingPointError) as e:
         loop.run(cfg)
