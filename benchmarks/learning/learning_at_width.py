@@ -7,10 +7,10 @@ stages that each pick from the one before, so the whole search fits a few comman
     seeds   the sweep's setting with the largest mean gain, for every seed of --seeds, and the same
             settings on each --variant task (named overrides it was not tuned on)
 
-    python benchmarks/learning_at_width.py probe --recipe recipes/qwen3_grpo.py --preset learn-0.6b \\
+    python benchmarks/learning/learning_at_width.py probe --recipe recipes/qwen3_grpo.py --preset learn-0.6b \\
         --state runs/width --grid sft.lr=1e-4,3e-4 --grid sft.steps=200,400,800
-    python benchmarks/learning_at_width.py sweep ... --grid actor.lr=2e-5,3e-5,5e-5 --seeds 1,2
-    python benchmarks/learning_at_width.py seeds ... --seeds 1,2,3 --variant mul="data.arithmetic.ops=*"
+    python benchmarks/learning/learning_at_width.py sweep ... --grid actor.lr=2e-5,3e-5,5e-5 --seeds 1,2
+    python benchmarks/learning/learning_at_width.py seeds ... --seeds 1,2,3 --variant mul="data.arithmetic.ops=*"
 
 Each seed gets its own random weights (model.path per seed, written once before the runs start).
 ``--state`` holds every run's folder and ``results.json``: each run's command, exit code, wall
@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from recipe_runs import collect, machine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # recipe_runs.py
+from recipe_runs import collect, machine  # noqa: E402
 
 ACC = "eval/accuracy"
 

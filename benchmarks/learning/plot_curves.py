@@ -1,9 +1,9 @@
-"""Learning curves from a ``benchmarks/recipe_runs.py`` or ``learning_at_width.py`` results file:
+"""Learning curves from a ``benchmarks/step/recipe_runs.py`` or ``learning_at_width.py`` results file:
 held-out accuracy, train reward and the trainer/sampler logprob gap per run group (runs named
 ``<group>_<seed>``), the mean over the seeds that reached a step, with their range.
 
-    python benchmarks/plot_curves.py                     # exact mode off vs on → docs/exact_curves.png
-    python benchmarks/plot_curves.py RESULTS.json OUT.png [STAGE]   # STAGE: of a learning_at_width file
+    python benchmarks/learning/plot_curves.py                     # exact mode off vs on → docs/exact_curves.png
+    python benchmarks/learning/plot_curves.py RESULTS.json OUT.png [STAGE]   # STAGE: of a learning_at_width file
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = (ROOT / "benchmarks" / "results" / "exact_curves_3seeds_h200.json", ROOT / "docs" / "exact_curves.png")
 SMOOTH = 10  # steps in the train reward's running mean
 

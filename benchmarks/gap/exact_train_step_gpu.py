@@ -1,6 +1,6 @@
 """Exact mode's train step vs the default's, wall time against kernel time (one CUDA GPU).
 
-    python benchmarks/exact_train_step_gpu.py [--rows 64 --seq 320 --prompt 64 --micro 16]
+    python benchmarks/gap/exact_train_step_gpu.py [--rows 64 --seq 320 --prompt 64 --micro 16]
 
 One Actor.train_step of the Qwen3-0.6B shape (random weights, bf16) on the same batch, with
 rollout.exact off and on: an untimed warm-up call, then one call timed and one under
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # actor_step.py
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Weight-sync throughput into a real vLLM engine vs a plain memcpy of the same bytes.
 
-    python benchmarks/weight_sync.py                       # random Qwen3-shaped model, ~330 MB bf16
-    python benchmarks/weight_sync.py --model qwen3-small   # a colocate_rl.models.tiny shape
-    python benchmarks/weight_sync.py --model /path/to/hf   # an HF folder (safetensors)
+    python benchmarks/sync/weight_sync.py                       # random Qwen3-shaped model, ~330 MB bf16
+    python benchmarks/sync/weight_sync.py --model qwen3-small   # a colocate_rl.models.tiny shape
+    python benchmarks/sync/weight_sync.py --model /path/to/hf   # an HF folder (safetensors)
 
 The engine runs multiprocess (its engine core and worker in their own processes), so every bucket
 crosses a process boundary as on a real run. Reported per sync: seconds and GB/s of the full sync
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Qwen3 layout at a size that makes copies measurable: 166 M params (330 MB bf16, 660 MB fp32).
 BENCH_SHAPE = dict(
     model_type="qwen3", vocab_size=32768, tie_word_embeddings=False, hidden_size=1024, intermediate_size=3072,

@@ -1,10 +1,10 @@
 """Actor throughput vs plain PyTorch: train step and logprobs tokens/s, offload/onload GB/s.
 
-    python benchmarks/actor_step.py                                  # Qwen3-shaped, 4 layers, hidden 512
-    python benchmarks/actor_step.py --hidden 1024 --layers 8 --rows 32 --seq 512 --dtype bfloat16
-    python benchmarks/actor_step.py --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 \
+    python benchmarks/kernels/actor_step.py                                  # Qwen3-shaped, 4 layers, hidden 512
+    python benchmarks/kernels/actor_step.py --hidden 1024 --layers 8 --rows 32 --seq 512 --dtype bfloat16
+    python benchmarks/kernels/actor_step.py --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 \
         --inter 3072 --vocab 151936 --rows 128 --seq 320 --micro-batch 16 --dtype bfloat16 --profile P.txt
-    python benchmarks/actor_step.py ... --optimizer-cpu-offload [--optimizer-state-dtype bfloat16]
+    python benchmarks/kernels/actor_step.py ... --optimizer-cpu-offload [--optimizer-state-dtype bfloat16]
 
 Our path: the Megatron actor (colocate_rl.trainer.Actor) at TP=PP=EP=1, one process. Baselines, in
 the same run and on the same weights and micro-batches:
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_model(out: Path, a) -> Path:

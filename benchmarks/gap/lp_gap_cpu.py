@@ -1,7 +1,7 @@
 """Trainer/sampler logprob gap in bf16 on CPU, with and without an fp32 residual stream in the
 actor (actor.fp32_residual), against the real vLLM engine (its CPU build) in the colocated loop.
 
-    python benchmarks/lp_gap_cpu.py      # ~5 min on 2 cores; writes benchmarks/results/lp_gap_cpu.json
+    python benchmarks/gap/lp_gap_cpu.py      # ~5 min on 2 cores; writes benchmarks/results/lp_gap_cpu.json
 
 Model: the random-weight `qwen3-deep` shape (16 layers, hidden 256), bf16 on both sides; the
 arithmetic prompts, 16 prompts x 4 samples x up to 48 tokens, lr 1e-6. Each setting runs in its own
@@ -22,10 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _loop_overrides import loop_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.loop_overrides import loop_overrides  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = Path(__file__).with_name("results") / "lp_gap_cpu.json"
+ROOT = Path(__file__).resolve().parents[2]
+RESULT = Path(__file__).resolve().parents[1] / "results" / "lp_gap_cpu.json"
 
 
 def job(fp32_residual: bool, steps: int, out: Path) -> None:

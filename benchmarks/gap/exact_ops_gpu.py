@@ -7,7 +7,7 @@ that differ and the largest difference. Two more rows check the properties exact
 linear's row does not change with the rows around it, and FlashAttention's decode (one query against
 a paged KV cache) gives the bits of its prefill row.
 
-    python benchmarks/exact_ops_gpu.py --out benchmarks/results/exact_ops_h200.json
+    python benchmarks/gap/exact_ops_gpu.py --out benchmarks/results/exact_ops_h200.json
 """
 
 from __future__ import annotations

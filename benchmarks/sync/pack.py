@@ -9,7 +9,7 @@ the bytes (the device's limit), each in its earlier form and its current one, in
 - the engine's whole load of a bucket through a recorded ``CopyPlan``: per tensor (a view, a
   lookup, the replay: ``load``) against the bucket's copies resolved once (``resolved``).
 
-    python benchmarks/pack.py --layers 12 --out benchmarks/results/pack_replay_qwen3_30b_a3b_12_h200.json
+    python benchmarks/sync/pack.py --layers 12 --out benchmarks/results/pack_replay_qwen3_30b_a3b_12_h200.json
 
 Needs only torch (no vLLM, no megatron-core): the tensors are random, at the published config's
 shapes and HF names (48 layers of 128 experts; --layers keeps the first ones, as
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from colocate_rl.weight_sync import buckets  # noqa: E402  (torch only)
 

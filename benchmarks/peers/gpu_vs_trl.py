@@ -2,7 +2,7 @@
 mode, in one run, with the same model shape, prompts, samples per prompt, completion length and
 optimizer settings; and each side's trainer/sampler logprob gap.
 
-    python benchmarks/gpu_vs_trl.py --out benchmarks/results/gpu_vs_trl_h200.json
+    python benchmarks/peers/gpu_vs_trl.py --out benchmarks/results/gpu_vs_trl_h200.json
 
 Model: the random-weight Qwen3-0.6B shape in bf16 (colocate_rl.models.tiny), both sides loading
 the same folder. Prompts: the arithmetic train set; 64 prompts x 8 samples, up to 256 tokens,
@@ -37,10 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-from _loop_overrides import loop_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.loop_overrides import loop_overrides  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNNER = Path(__file__).with_name("_trl_runner.py")
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("trl_runner.py")
 
 
 def our_overrides(args, path: Path, root: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """Train/rollout logprob gap of a small DeepSeek-V4: vLLM (which has DeepSeek-V4 on GPU) samples
 with logprobs, the Megatron actor re-scores the same tokens, both in bf16 on one GPU.
 
-    python benchmarks/dsv4_parity_gpu.py OUT.json [--weights fp8|bf16] [--kv-cache-dtype fp8]
+    python benchmarks/gap/dsv4_parity_gpu.py OUT.json [--weights fp8|bf16] [--kv-cache-dtype fp8]
 
 vLLM 0.26's DeepSeek-V4 on NVIDIA needs more than vLLM's own packages: `compressed-tensors` and
 `loguru` (imported on load), an FP8 KV cache (its fp8_ds_mla cache layout), the released FP8
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colocate_rl.models.deepseek_v4.synth import VLLM_SMALL as SHAPE  # noqa: E402
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--no-sync", action="store_true", help="skip the step + weight sync + re-sample stage")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("error: benchmarks/dsv4_parity_gpu.py needs a GPU (vLLM's DeepSeek-V4 is GPU-only here)")
+        raise SystemExit("error: benchmarks/gap/dsv4_parity_gpu.py needs a GPU (vLLM's DeepSeek-V4 is GPU-only here)")
 
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="dsv4_parity_"))
     folder = root / a.weights

@@ -12,7 +12,7 @@ Then the three at T=1 over batches of other compositions (cases_t1: 1 x 1 up to 
 not, after a prefix-cache reset): a kernel whose result depends on how many tokens share its launch
 shows up as a gap that moves with the batch (rollout/invariant_norm.py is such a find).
 
-    python benchmarks/exact_gap_gpu.py --out gap.json [--temperature 1.0] [--set rollout.enforce_eager=false]
+    python benchmarks/gap/exact_gap_gpu.py --out gap.json [--temperature 1.0] [--set rollout.enforce_eager=false]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -2,7 +2,7 @@
 (compiled kernels over the 16-bit logits; actor.logprob_kernel), in one run, against the device's
 own copy bandwidth.
 
-    python benchmarks/logprobs_kernels.py --out benchmarks/results/logprobs_kernels_h200.json
+    python benchmarks/kernels/logprobs_kernels.py --out benchmarks/results/logprobs_kernels_h200.json
 
 One micro-batch's logits as the train step sees them: 16 sequences of 288 and of 1056 tokens
 (64 x 8 x 256 and x 1024 responses after a 32-token prompt), Qwen3's 151,936-word vocabulary,

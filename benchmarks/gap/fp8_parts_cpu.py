@@ -1,7 +1,7 @@
 """Which part of an FP8 DeepSeek-V4 engine's arithmetic moves the logprobs, emulated on the CPU.
 
-    python benchmarks/fp8_parts_cpu.py                       # deepseek-v4-mini, 2 layers, 2 x 256 tokens
-    python benchmarks/fp8_parts_cpu.py --set num_hidden_layers=4 'compress_ratios=[0,4,128,4]'
+    python benchmarks/gap/fp8_parts_cpu.py                       # deepseek-v4-mini, 2 layers, 2 x 256 tokens
+    python benchmarks/gap/fp8_parts_cpu.py --set num_hidden_layers=4 'compress_ratios=[0,4,128,4]'
 
 At step 1 of the mini preset the engine's weights are the actor's exactly (the checkpoint is in the
 released FP8/MXFP4 format and the actor loads it dequantised), yet their logprobs differ by 0.064 per
@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from _cpu_results import add_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.cpu_results import add_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stats(x: torch.Tensor) -> dict[str, float]:

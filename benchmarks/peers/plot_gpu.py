@@ -1,7 +1,7 @@
 """Where a step's seconds go on one H200: our colocated step (dense and MoE shapes) and TRL's
 GRPOTrainer step, as stacked bars, from the committed results files.
 
-    python benchmarks/plot_gpu.py            # writes docs/gpu_step.png
+    python benchmarks/peers/plot_gpu.py            # writes docs/gpu_step.png
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 HANDOFF = ("sleep", "onload", "offload", "wake_weights", "sync", "wake_kv")
 COLORS = {"generate": "#4c72b0", "logprobs": "#dd8452", "train": "#55a868", "handoff": "#c44e52",

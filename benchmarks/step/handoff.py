@@ -2,7 +2,7 @@
 the card's limits measured in the same run, rollout throughput inside the loop vs bare vLLM, the
 trainer/sampler logprob gap in bf16, and device memory at each phase boundary.
 
-    python benchmarks/handoff.py --shape qwen3-0.6b --out benchmarks/results/handoff_h200.json
+    python benchmarks/step/handoff.py --shape qwen3-0.6b --out benchmarks/results/handoff_h200.json
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import json
 import os
 import pstats
 import platform as pyplatform
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from _loop_overrides import loop_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.loop_overrides import loop_overrides  # noqa: E402
 
 GiB = 2**30
 

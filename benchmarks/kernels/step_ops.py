@@ -1,9 +1,9 @@
 """What an actor setting changes in a bf16 train step: the operators launched and the dtypes every
 GEMM and attention call runs in, with the setting at two values, in one run.
 
-    python benchmarks/step_ops.py --out benchmarks/results/fp32_residual_ops_cpu.json
-    python benchmarks/step_ops.py --compare actor.norm_kernel=eager,fused --out benchmarks/results/norm_kernel_ops_cpu.json
-    python benchmarks/step_ops.py --layers 28 --hidden 1024 ...   # any Qwen3 shape
+    python benchmarks/kernels/step_ops.py --out benchmarks/results/fp32_residual_ops_cpu.json
+    python benchmarks/kernels/step_ops.py --compare actor.norm_kernel=eager,fused --out benchmarks/results/norm_kernel_ops_cpu.json
+    python benchmarks/kernels/step_ops.py --layers 28 --hidden 1024 ...   # any Qwen3 shape
 
 The train step at 16 sequences of ~256 tokens is bound by the host launching kernels on an H200
 (`actor_step_cuda.json`), so its cost there follows the operator count, which is the same on any

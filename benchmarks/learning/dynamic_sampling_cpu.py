@@ -2,7 +2,7 @@
 with the same seeds, without and with ``rollout.dynamic_sampling``, and the held-out accuracy
 curve, train reward, groups kept and seconds per step of each.
 
-    .venv/bin/python benchmarks/dynamic_sampling_cpu.py [--steps 150] [--out benchmarks/results/dynamic_sampling_cpu.json]
+    .venv/bin/python benchmarks/learning/dynamic_sampling_cpu.py [--steps 150] [--out benchmarks/results/dynamic_sampling_cpu.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(name: str, steps: int, run_dir: Path, extra: list[str]) -> dict:

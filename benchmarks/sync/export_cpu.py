@@ -1,9 +1,9 @@
 """The actor's HF export of a MoE model with Qwen3-30B-A3B's tensor count (12 layers of 128 experts:
 4,719 tensors) at tiny widths, so what is timed is the export's own work, not its bytes.
 
-    python benchmarks/export_cpu.py          # one rank: the first export of a model, which builds the
+    python benchmarks/sync/export_cpu.py          # one rank: the first export of a model, which builds the
                                              # name maps, against the later ones, which reuse them
-    python benchmarks/export_cpu.py --ep 2   # two gloo ranks, experts split: one collective per
+    python benchmarks/sync/export_cpu.py --ep 2   # two gloo ranks, experts split: one collective per
                                              # parameter against runs of parameters (mapping.RUN_BYTES)
     # -> benchmarks/results/export_cpu.json
 """
@@ -17,9 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _cpu_results import add_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.cpu_results import add_run  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def timed(fn) -> float:

@@ -1,7 +1,7 @@
 """One MoE layer's experts, forward and backward, sequential (megatron-core's SequentialMLP) vs
 grouped (two torch grouped GEMMs; actor.expert_kernel), in one run.
 
-    python benchmarks/expert_kernels.py --out benchmarks/results/expert_kernels_h200.json
+    python benchmarks/kernels/expert_kernels.py --out benchmarks/results/expert_kernels_h200.json
 
 The actor is built at Qwen3-30B-A3B's real width (128 experts of 8 active, hidden 2048, expert
 width 768) cut to one layer, random bf16 weights; its first layer's experts take micro-batches of

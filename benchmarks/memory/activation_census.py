@@ -1,9 +1,9 @@
 """What the actor's training forward keeps for its backward, by module, against the memory plan.
 
-    python benchmarks/activation_census.py                                  # qwen3-0.6b@2, 4 x 288 tokens
-    python benchmarks/activation_census.py --shape qwen3-8b@1 --set vocab_size=32768 --rows 2
-    python benchmarks/activation_census.py --shape qwen3-moe-small@2
-    python benchmarks/activation_census.py --shape deepseek-v4-mini --rows 2 --seq 256 \
+    python benchmarks/memory/activation_census.py                                  # qwen3-0.6b@2, 4 x 288 tokens
+    python benchmarks/memory/activation_census.py --shape qwen3-8b@1 --set vocab_size=32768 --rows 2
+    python benchmarks/memory/activation_census.py --shape qwen3-moe-small@2
+    python benchmarks/memory/activation_census.py --shape deepseek-v4-mini --rows 2 --seq 256 \
         --set num_hidden_layers=2 n_routed_experts=8 'compress_ratios=[0,4]' vocab_size=32768
 
 One micro-batch runs through the actor's own forward and backward (Actor.activation_census: what
@@ -21,14 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from _cpu_results import add_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.cpu_results import add_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_batch(rows: int, seq: int, vocab: int):

@@ -1,7 +1,7 @@
-"""TRL's side of benchmarks/cpu_vs_trl.py (in that benchmark's own venv, trl_requirements.txt) and of
-benchmarks/gpu_vs_trl.py (on the GPU machine, beside vLLM).
+"""TRL's side of benchmarks/peers/cpu_vs_trl.py (in that benchmark's own venv, trl_requirements.txt) and of
+benchmarks/peers/gpu_vs_trl.py (on the GPU machine, beside vLLM).
 
-    python benchmarks/_trl_runner.py spec.json out.json
+    python benchmarks/peers/trl_runner.py spec.json out.json
 
 GRPOTrainer, one optimizer step per generation batch: on CPU with HF generate (use_vllm=False); with
 spec "gpu" on the GPU with vLLM in colocate mode (sleep mode on, as our loop), bf16 autocast over

@@ -3,7 +3,7 @@ broadcast over NCCL (RCCL on ROCm). Reports the sync's GB/s next to the GPU-to-G
 measured in the same run, and seconds per step on-policy vs one-step off-policy (generation of
 step k+1 overlapping the training of step k).
 
-    python benchmarks/disagg_gpu.py --shape qwen3-0.6b --out benchmarks/results/disagg_h200.json
+    python benchmarks/step/disagg_gpu.py --shape qwen3-0.6b --out benchmarks/results/disagg_h200.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 run's command, wall time, the seconds outside its steps (start-up, shutdown), each step's metrics (logprob gap,
 seconds per phase, sync bytes and GB/s, tokens/s) and the memory plan next to the measured bytes.
 
-    python benchmarks/recipe_runs.py --recipe recipes/dsv4_flash_grpo.py \\
+    python benchmarks/step/recipe_runs.py --recipe recipes/dsv4_flash_grpo.py \\
         --base preset=mini-1gpu rollout.enforce_eager=true \\
         --run sleep2_r3="steps=3" --run sleep2_no_r3="steps=2 rollout.routing_replay=false" \\
         --run sleep1_r3="steps=2 rollout.sleep_level=1" \\
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    result = {"benchmark": f"benchmarks/recipe_runs.py --recipe {args.recipe}", "machine": machine(),
+    result = {"benchmark": f"benchmarks/step/recipe_runs.py --recipe {args.recipe}", "machine": machine(),
               "environment": {k: os.environ[k] for k in ENV if k in os.environ}, "runs": {}}
     for spec in args.run:
         name, _, extra = spec.partition("=")

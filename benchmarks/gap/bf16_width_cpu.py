@@ -1,7 +1,7 @@
 """How far bf16 moves a random-weight Qwen3's logprobs from its own fp32 ones, by width and depth:
 the floor under the trainer/sampler gap of the GPU runs, which use such models (no hub here).
 
-    python benchmarks/bf16_width_cpu.py      # ~8 min on 2 cores; writes benchmarks/results/bf16_width_cpu.json
+    python benchmarks/gap/bf16_width_cpu.py      # ~8 min on 2 cores; writes benchmarks/results/bf16_width_cpu.json
 
 One transformers model per shape (the real config, random weights as the GPU benchmarks build them,
 fewer layers where noted by @L), 4 random prompts of 16 tokens, 48 tokens sampled at T=1 from the
@@ -15,13 +15,15 @@ engine's difference.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from _cpu_results import add_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+from common.cpu_results import add_run  # noqa: E402
 
-RESULT = Path(__file__).with_name("results") / "bf16_width_cpu.json"
+RESULT = Path(__file__).resolve().parents[1] / "results" / "bf16_width_cpu.json"
 
 
 def measure(shape: str, prompts: int = 4, prompt_len: int = 16, new: int = 48) -> dict:
@@ -57,7 +59,7 @@ def main() -> None:
         run = measure(shape)
         print(f"{shape}: gap {run['bf16_vs_fp32_gap_mean']:.4f} (max {run['bf16_vs_fp32_gap_max']:.3f}), "
               f"entropy {run['entropy_mean']:.2f}, logprob std {run['logprob_std']:.3f}", flush=True)
-        add_run(args.out, "benchmarks/bf16_width_cpu.py", shape, run)
+        add_run(args.out, "benchmarks/gap/bf16_width_cpu.py", shape, run)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """CPU: our colocated GRPO loop vs TRL's GRPOTrainer, same tiny model, task, warm-start and batch.
 
-    python benchmarks/cpu_vs_trl.py       # ~8 min on 2 cores (longer while it waits for a low load)
-    python benchmarks/cpu_vs_trl.py --budget-s 30 --lengths 6,64 --sweep-steps 3   # quicker
+    python benchmarks/peers/cpu_vs_trl.py       # ~8 min on 2 cores (longer while it waits for a low load)
+    python benchmarks/peers/cpu_vs_trl.py --budget-s 30 --lengths 6,64 --sweep-steps 3   # quicker
 
 Both sides start from one warm-started HF folder: the tiny preset's SFT warm-start (recipes/
 qwen3_grpo.yaml, 60 steps through our actor) is run once and its weights saved; then each side
 trains GRPO from that folder with a fresh optimizer. Same prompts (the arithmetic train set), same
 held-out eval set (64 problems, greedy), same exact-match reward, n=8, temperature 1.0, lr, Adam,
 clip 0.2/0.28, no KL, one optimizer step per batch, token-mean loss (TRL's loss_type="dapo" is a
-token mean over the whole batch, as ours). TRL runs in its own venv (benchmarks/trl_requirements.txt,
+token mean over the whole batch, as ours). TRL runs in its own venv (benchmarks/peers/trl_requirements.txt,
 created under .cache/bench-trl/venv when missing), generating with HF generate on CPU
-(use_vllm=False), through benchmarks/_trl_runner.py.
+(use_vllm=False), through benchmarks/peers/trl_runner.py.
 
 Measured, each side in a fresh process, one after the other:
   1. accuracy at equal wall-clock: GRPO for --budget-s seconds of training (evals and process start
@@ -36,12 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "bench-trl"
 VENV = CACHE / "venv"
 REQUIREMENTS = Path(__file__).with_name("trl_requirements.txt")
-RUNNER = Path(__file__).with_name("_trl_runner.py")
-RESULT = Path(__file__).with_name("results") / "cpu_vs_trl.json"
+RUNNER = Path(__file__).with_name("trl_runner.py")
+RESULT = Path(__file__).resolve().parents[1] / "results" / "cpu_vs_trl.json"
 RECIPE = ROOT / "recipes" / "qwen3_grpo.yaml"
 # Phases whose cost does not grow with the response length: the fixed part of our step.
 FIXED_PHASES = ("sleep", "reward", "onload", "offload", "wake_weights", "sync", "wake_kv")
