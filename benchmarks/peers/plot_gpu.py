@@ -36,7 +36,7 @@ def trl(result: dict) -> dict:
 
 def main() -> None:
     dense = json.loads((RESULTS / "handoff_h200.json").read_text())
-    moe = json.loads((RESULTS / "handoff_moe_h200.json").read_text())
+    moe = json.loads((RESULTS / "archive" / "handoff_moe_h200.json").read_text())
     vs = json.loads((RESULTS / "gpu_vs_trl_h200.json").read_text())
     m64 = json.loads((RESULTS / "gpu_vs_trl_h200_micro64.json").read_text())
     # (label, seconds of each part, the step's seconds as the results file gives them)

@@ -28,7 +28,7 @@ def test_one_folder_gives_the_committed_result():
 
 
 def test_a_series_of_pair_folders_reports_each_pair_and_the_median(tmp_path):
-    raws = ["gpu_vs_trl_h200_raw", "gpu_vs_trl_h200_micro64_raw", "gpu_vs_trl_h200_unfused_norm_raw"]
+    raws = ["gpu_vs_trl_h200_raw", "gpu_vs_trl_h200_micro64_raw", "archive/gpu_vs_trl_h200_unfused_norm_raw"]
     for k, raw in enumerate(raws):
         shutil.copytree(RESULTS / raw, tmp_path / f"pair{k}")
     (tmp_path / "pair1" / "order").write_text("trl\nours\n")
