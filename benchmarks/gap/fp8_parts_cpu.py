@@ -5,7 +5,7 @@
 
 At step 1 of the mini preset the engine's weights are the actor's exactly (the checkpoint is in the
 released FP8/MXFP4 format and the actor loads it dequantised), yet their logprobs differ by 0.064 per
-token (docs/performance.md). What vLLM's DeepSeek-V4 does in low precision besides the weights:
+token (docs/lab/performance_log.md). What vLLM's DeepSeek-V4 does in low precision besides the weights:
 - **FP8 GEMM inputs**: every FP8 linear (wq_a, wkv, wq_b, wo_a, wo_b, the indexer's wq_b, the
   shared experts) quantises its input per token in groups of 128 channels to e4m3 with power-of-two
   (UE8M0) scales before the FP8 x FP8 GEMM;
