@@ -71,8 +71,9 @@ def test_the_check_finds_an_uncited_file_and_a_citation_of_nothing(tmp_path):
                  "alone_cpu.json"):
         (tmp_path / name).write_text("{}")
     (tmp_path / "pairs_h200_logs").mkdir()
+    prefix = "benchmarks/results/"  # a path as the docs write one
     text = ("`step_h200.json`, `loop_{false,true}_h200.json`, `archive/old_h200.json`, "
-            "[logs](benchmarks/results/pairs_h200_logs), `gone_h200.json`, `archive/step_h200.json`, "
+            f"[logs]({prefix}pairs_h200_logs), `gone_h200.json`, `archive/step_h200.json`, "
             "config.json and metrics.jsonl are no results")
     uncited, missing = check(tmp_path, [text])
     assert uncited == ["alone_cpu.json"]
