@@ -199,7 +199,7 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     norms' inputs, those in the residual stream's dtype, and outputs), 4·q + 3·kv (q before its
     norm, q/k/v, rotated q and k, the attention output), then 3·ffn for a dense SwiGLU MLP (fc1's
     output, fc2's input), or for a routed one h + topk·(h + 4·moe_ffn) (router input, each token's
-    copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/activation_census.py
+    copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/memory/activation_census.py
     counts what autograd saves and matches this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE
     layer (activation_census_cpu.json), with the fp32 residual stream too. Tensor parallelism
     splits all but the 4·h (those too under sequence parallelism). Another family's layer takes

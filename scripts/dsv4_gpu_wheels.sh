@@ -5,7 +5,7 @@
 # and DeepGEMM's JITs call (nvcc, cicc and libdevice, the crt headers, CUDA and CCCL headers).
 # DeepGEMM (the FP8 linears, the mHC pre-norm GEMM and the indexer) ships inside vLLM. The JIT caches
 # land in .cache/compile (rollout.compile_cache). Set VLLM_DEEP_GEMM_WARMUP=skip on a cold cache: its
-# default warm-up compiles ~2,500 GEMM kernels, 20-30 minutes on an H200 (docs/performance.md).
+# default warm-up compiles ~2,500 GEMM kernels, 20-30 minutes on an H200 (docs/deepseek_v4.md).
 # Downloads cp312 wheels into .device/dsv4/g0..gN (each under 60 MiB, one per command sent there;
 # a larger wheel travels as .partNN pieces that install.sh joins) and writes .device/dsv4/install.sh.
 # On the machine, after copying every group to /tmp/vb/dsv4/:

@@ -13,10 +13,10 @@
 # 1024-token responses; LOOP_SET adds settings, e.g. actor.expert_kernel=sequential), loop30b-4096
 # (the 30B cut at 4096-token responses, 8 prompts), onload-probe (every part offloaded; where an
 # onload's seconds go, with actor.overlap_onload off and on), experts (the
-# grouped experts' GPU test and benchmarks/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
+# grouped experts' GPU test and benchmarks/kernels/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
 # tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
 # summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
-# learn-probe, learn-sweep, learn-seeds (benchmarks/learning_at_width.py's stages, LEARN_ARGS for their
+# learn-probe, learn-sweep, learn-seeds (benchmarks/learning/learning_at_width.py's stages, LEARN_ARGS for their
 # options), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
@@ -40,7 +40,7 @@ if run tests; then  # one log per file, written as it goes
 fi
 if run bench; then  # the colocated handoff: Qwen3-0.6B shape, then a small Qwen3-MoE shape
   for shape in qwen3-0.6b qwen3-moe-small; do
-    python3 benchmarks/handoff.py --shape "$shape" --out "$out/handoff_$shape.json" --profile "$out/profile_$shape.txt" \
+    python3 benchmarks/step/handoff.py --shape "$shape" --out "$out/handoff_$shape.json" --profile "$out/profile_$shape.txt" \
       > "$out/handoff_$shape.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/handoff_$shape.log" | tail -60
   done
@@ -48,13 +48,13 @@ fi
 if run exact; then
   python3 -m pytest -q -rsx -s tests/gpu/test_exact_gpu.py > "$out/test_exact_gpu.log" 2>&1 || rc=1
   grep -E "T=[0-9.]+ (scoring|step)| vs vLLM| first response|passed|failed|xfail|XPASS|Error" "$out/test_exact_gpu.log" | tail -20
-  python3 benchmarks/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
+  python3 benchmarks/gap/exact_train_step_gpu.py --out "$out/exact_train_step.json" > "$out/exact_train_step.log" 2>&1 || rc=1
   tail -20 "$out/exact_train_step.log"
 fi
 if run exact-curves; then  # learning: the tiny recipe with exact mode off and on, three seeds each (bf16, one GPU, ~7 min)
   runs=()
   for seed in 1 2 3; do runs+=(--run "default_$seed=rollout.exact=false seed=$seed" --run "exact_$seed=rollout.exact=true seed=$seed"); done
-  python3 benchmarks/recipe_runs.py --recipe recipes/qwen3_grpo.py --base preset=tiny model.dtype=bfloat16 rollout.enforce_eager=true \
+  python3 benchmarks/step/recipe_runs.py --recipe recipes/qwen3_grpo.py --base preset=tiny model.dtype=bfloat16 rollout.enforce_eager=true \
     "${runs[@]}" --out "$out/exact_curves.json" > "$out/exact_curves.log" 2>&1 || rc=1
   tail -8 "$out/exact_curves.log"
 fi
@@ -65,41 +65,41 @@ for group in exact-loop:rollout.exact:false,true fp32res-loop:actor.fp32_residua
     i=0
     for v in ${values//,/ }; do
       i=$((i + 1)); tag="${name%-loop}_${v}_$i"
-      python3 benchmarks/handoff.py --set "$key=$v" --out "$out/handoff_$tag.json" > "$out/handoff_$tag.log" 2>&1 || rc=1
+      python3 benchmarks/step/handoff.py --set "$key=$v" --out "$out/handoff_$tag.json" > "$out/handoff_$tag.log" 2>&1 || rc=1
       grep -vE "INFO|^\(" "$out/handoff_$tag.log" | tail -20
     done
   fi
 done
 if run logprobs; then  # the logprobs' forward + backward, chunked vs fused, one micro-batch's logits
-  python3 benchmarks/logprobs_kernels.py --out "$out/logprobs_kernels.json" > "$out/logprobs_kernels.log" 2>&1 || rc=1
+  python3 benchmarks/kernels/logprobs_kernels.py --out "$out/logprobs_kernels.json" > "$out/logprobs_kernels.log" 2>&1 || rc=1
   grep -E "rows x|Error" "$out/logprobs_kernels.log" | tail -5
 fi
 if run experts; then  # the grouped experts: their GPU test, then one layer at Qwen3-30B-A3B's width, sequential vs grouped
   python3 -m pytest -q -rs tests/gpu/test_grouped_experts_gpu.py > "$out/test_grouped_experts_gpu.log" 2>&1 || rc=1
   tail -3 "$out/test_grouped_experts_gpu.log"
-  python3 benchmarks/expert_kernels.py --out "$out/expert_kernels.json" > "$out/expert_kernels.log" 2>&1 || rc=1
+  python3 benchmarks/kernels/expert_kernels.py --out "$out/expert_kernels.json" > "$out/expert_kernels.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/expert_kernels.log" | tail -4
 fi
 if run onload-probe; then  # every part offloaded each step: onload serial (then timed piece by piece), overlapped
   for overlap in false true; do
     probe=(); [ $overlap = false ] && probe=(--probe-onload)
-    python3 benchmarks/handoff.py --offload all --steps 2 --set actor.overlap_onload=$overlap \
+    python3 benchmarks/step/handoff.py --offload all --steps 2 --set actor.overlap_onload=$overlap \
       "${probe[@]}" --out "$out/handoff_onload_overlap_$overlap.json" \
       > "$out/handoff_onload_overlap_$overlap.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/handoff_onload_overlap_$overlap.log" | grep -E "^step|onload probe|Error" | tail -8
   done
 fi
 if run pack; then  # the sync's two copies alone at the 30B cut's tensors (torch only): packing and the engine's replay
-  python3 benchmarks/pack.py --layers 12 --out "$out/pack_replay.json" > "$out/pack_replay.log" 2>&1 || rc=1
+  python3 benchmarks/sync/pack.py --layers 12 --out "$out/pack_replay.json" > "$out/pack_replay.log" 2>&1 || rc=1
   grep -E '"(per_tensor|batched|replay_[a-z_]+|load_[a-z_]+|one_copy_of_all_bytes_s)"' "$out/pack_replay.log" | head -12
 fi
 if run sync30b; then
-  python3 benchmarks/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
+  python3 benchmarks/sync/weight_sync.py --model qwen3-30b-a3b@12 --in-process --repeats 3 --out "$out/weight_sync_30b_a3b_12.json" \
     > "$out/weight_sync_30b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/weight_sync_30b.log" | tail -20
 fi
 if run loop8b; then
-  python3 benchmarks/handoff.py --shape qwen3-8b --prompts 16 --n 8 --tokens 256 --steps 2 --gpu-mem 0.35 \
+  python3 benchmarks/step/handoff.py --shape qwen3-8b --prompts 16 --n 8 --tokens 256 --steps 2 --gpu-mem 0.35 \
     --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true --memory-snapshot "$out/handoff_8b_memory.pickle" \
     --out "$out/handoff_8b.json" > "$out/handoff_8b.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/handoff_8b.log" | tail -30
@@ -108,20 +108,20 @@ fi
 for group in loop8b-1024:qwen3-8b:1024:16 loop30b-1024:qwen3-30b-a3b@12:1024:16 loop30b-4096:qwen3-30b-a3b@12:4096:8; do
   IFS=: read -r gname shape tokens prompts <<< "$group"; name="handoff_${shape/@/_}_$tokens"
   if run "$gname"; then
-    python3 benchmarks/handoff.py --shape "$shape" --prompts "$prompts" --n 8 --tokens "$tokens" --steps 2 --gpu-mem 0.35 --micro 4 \
+    python3 benchmarks/step/handoff.py --shape "$shape" --prompts "$prompts" --n 8 --tokens "$tokens" --steps 2 --gpu-mem 0.35 --micro 4 \
       --set actor.optimizer_cpu_offload=true actor.optimizer_state_dtype=bfloat16 actor.recompute=true ${LOOP_SET:-} \
       --out "$out/$name.json" > "$out/$name.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/$name.log" | tail -20
   fi
 done
 if run trl; then  # ours vs TRL's GRPOTrainer (vLLM colocate mode), one GPU
-  python3 benchmarks/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
+  python3 benchmarks/peers/gpu_vs_trl.py --out "$out/gpu_vs_trl.json" > "$out/gpu_vs_trl.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/gpu_vs_trl.log" | tail -40
 fi
 for group in trl256-pair:256:3:2 trl1024-pair:1024:1:2; do  # the next runs of this lease's series
   IFS=: read -r name tokens steps sides <<< "$group"
   if run "$name"; then  # the series lives in the cache, so the runs of one lease add up (ABBA order)
-    python3 benchmarks/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" ${PAIR_ARGS:-} \
+    python3 benchmarks/peers/gpu_vs_trl.py --tokens "$tokens" --steps "$steps" --sides "$sides" ${PAIR_ARGS:-} \
       --out "$out/gpu_vs_trl_${tokens}_pairs.json" > "$out/gpu_vs_trl_$tokens.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/gpu_vs_trl_$tokens.log" | grep -E "^\[|step|no pair" | tail -12
     [ -f "$out/gpu_vs_trl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"
@@ -129,20 +129,20 @@ for group in trl256-pair:256:3:2 trl1024-pair:1024:1:2; do  # the next runs of t
 done
 for stage in probe sweep seeds; do  # learning at width: Qwen3-0.6B's shape on 3-digit addition (LEARN_ARGS adds options)
   if run "learn-$stage"; then  # the stages pick from each other through the cache, so they run in one lease
-    python3 benchmarks/learning_at_width.py "$stage" --recipe recipes/qwen3_grpo.py --preset "${LEARN_PRESET:-learn-0.6b}" \
+    python3 benchmarks/learning/learning_at_width.py "$stage" --recipe recipes/qwen3_grpo.py --preset "${LEARN_PRESET:-learn-0.6b}" \
       --state "$COLOCATE_RL_CACHE/learn" ${LEARN_ARGS:-} 2>&1 | grep -E "^\[|^no |Error" | tee "$out/learn_$stage.log"
     cp "$COLOCATE_RL_CACHE/learn/results.json" "$out/learn_${LEARN_PRESET:-learn-0.6b}.json" 2>/dev/null || rc=1
   fi
 done
 if run disagg; then  # needs two GPUs
-  python3 benchmarks/disagg_gpu.py --out "$out/disagg.json" 2>&1 | tee "$out/disagg.log" | grep -vE "INFO|^\(" | tail -40 || rc=1
+  python3 benchmarks/step/disagg_gpu.py --out "$out/disagg.json" 2>&1 | tee "$out/disagg.log" | grep -vE "INFO|^\(" | tail -40 || rc=1
 fi
 if run dsv4; then  # vLLM's DeepSeek-V4 needs tilelang and a CUDA compiler too (scripts/dsv4_gpu_wheels.sh)
-  python3 benchmarks/dsv4_parity_gpu.py "$out/dsv4_parity.json" --kv-cache-dtype fp8 > "$out/dsv4.log" 2>&1 || rc=1
+  python3 benchmarks/gap/dsv4_parity_gpu.py "$out/dsv4_parity.json" --kv-cache-dtype fp8 > "$out/dsv4.log" 2>&1 || rc=1
   grep -vE "INFO|^\(" "$out/dsv4.log" | tail -40
 fi
 if run dsv4-fp8; then  # the same wheels as dsv4; a cold JIT takes ~7 minutes of the first run
-  VLLM_DEEP_GEMM_WARMUP=skip python3 benchmarks/recipe_runs.py --recipe recipes/dsv4_flash_grpo.py \
+  VLLM_DEEP_GEMM_WARMUP=skip python3 benchmarks/step/recipe_runs.py --recipe recipes/dsv4_flash_grpo.py \
     --base preset=mini-1gpu rollout.enforce_eager=true steps=1 \
     --run plain="actor.emulate_rollout_fp8=false" --run emulated="actor.emulate_rollout_fp8=true" \
     --out "$out/dsv4_fp8_emulation.json" > "$out/dsv4_fp8.log" 2>&1 || rc=1

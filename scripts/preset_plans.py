@@ -1,5 +1,5 @@
 """Prints the memory plan of every recipe preset (dry runs, nothing loads) as Markdown: the block
-README.md shows. Usage: .venv/bin/python scripts/preset_plans.py [placement.accelerator=NAME ...]"""
+docs/recipes.md shows. Usage: .venv/bin/python scripts/preset_plans.py [placement.accelerator=NAME ...]"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 megatron-core's local MLP computes ``silu(gate) * (up + glu_linear_offset)`` with autograd, which
 keeps three tensors per token for the backward: fc1's output (gate | up), silu(gate) and the offset
 copy of up. This module computes the same bits and keeps fc1's output alone; the backward is the
-closed form. Measured by benchmarks/activation_census.py: the MLP's saved bytes go from 4 x ffn to
+closed form. Measured by benchmarks/memory/activation_census.py: the MLP's saved bytes go from 4 x ffn to
 2 x ffn per token (16-bit), the largest single saving in a Qwen3 layer.
 
 megatron-core calls an MLP's activation module only under ``use_te_activation_func`` (the Qwen3

@@ -60,7 +60,7 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
     ),
     # Deep and narrow: 16 layers, so rounding in the residual stream adds up as in real models
-    # (benchmarks/lp_gap_cpu.py).
+    # (benchmarks/gap/lp_gap_cpu.py).
     "qwen3-deep": dict(
         model_type="qwen3", vocab_size=320, tie_word_embeddings=False, hidden_size=256, intermediate_size=768,
         num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -110,7 +110,7 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every pair. Small same-layout pairs go through one ``_foreach_copy_``
     per dtype, which launches a kernel per ~hundred tensors rather than one per tensor: a MoE model's
     sync replays a copy per expert matrix (4,719 copies at 12 of Qwen3-30B-A3B's layers), and one
-    launch each made the replay launch-bound (benchmarks/pack.py). No two pairs write the same
+    launch each made the replay launch-bound (benchmarks/sync/pack.py). No two pairs write the same
     memory (each name's loader writes its own slices), so the copies' order does not matter."""
     batched: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
     for dst, src in pairs:

@@ -6,7 +6,7 @@ autograd keeps that fp32 softmax for the backward: 4 bytes per vocabulary entry 
 of the 16-bit logits alive while it is made. Here the logprobs are computed in row chunks from the
 logits as they are, and only the logits and two floats per token (max and log-sum-exp) are kept;
 the backward recomputes each chunk's softmax. Half the bytes kept in a 16-bit model, and the fp32
-temporaries never exceed one chunk (benchmarks/activation_census.py measures it).
+temporaries never exceed one chunk (benchmarks/memory/activation_census.py measures it).
 
 Under tensor parallelism each rank holds a slice of the vocabulary: max and sum-exp are all-reduced
 over the tensor-parallel group and the target's logit comes from the rank that holds it, so the

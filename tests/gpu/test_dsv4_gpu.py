@@ -1,6 +1,6 @@
 """The tiny DeepSeek-V4 actor on a GPU: fp32 logprobs equal transformers' deepseek_v4 (rows long
 enough for C4 and C128 entries), and a bf16 GRPO step that moves the model the right way with the
-frozen routing tables unchanged. The vLLM comparison is benchmarks/dsv4_parity_gpu.py."""
+frozen routing tables unchanged. The vLLM comparison is benchmarks/gap/dsv4_parity_gpu.py."""
 
 from __future__ import annotations
 

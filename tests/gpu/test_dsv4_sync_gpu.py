@@ -14,7 +14,7 @@ to run. On an H200 the same engine scoring the same sequences twice differed by 
 The logprobs are printed beside that noise; where the control stands clear of it, each sync's must
 sit nearer its target than the control does.
 
-Needs what benchmarks/dsv4_parity_gpu.py needs: vLLM 0.26's GPU build and the packages
+Needs what benchmarks/gap/dsv4_parity_gpu.py needs: vLLM 0.26's GPU build and the packages
 scripts/dsv4_gpu_wheels.sh gathers (tilelang, the CuTe DSL, a CUDA compiler for the JITs). The
 first engine start JIT-compiles for minutes (341-441 s measured on an H200); the later ones find
 the caches. The model keeps the released attention sizes vLLM's kernels require and is small elsewhere.
@@ -36,7 +36,7 @@ if torch.version.hip is None and torch.cuda.get_device_capability() < (9, 0):
 pytest.importorskip("vllm.models.deepseek_v4", reason="needs vLLM's GPU build with DeepSeek-V4 (0.26)")
 pytest.importorskip("tilelang", reason="vLLM's DeepSeek-V4 mHC kernels need tilelang (scripts/dsv4_gpu_wheels.sh)")
 
-# As benchmarks/dsv4_parity_gpu.py runs vLLM's DeepSeek-V4 on the H200: FlashInfer's wrapper of the
+# As benchmarks/gap/dsv4_parity_gpu.py runs vLLM's DeepSeek-V4 on the H200: FlashInfer's wrapper of the
 # DeepGEMM FP8 block GEMM JIT-builds against the full CUDA toolkit; DeepGEMM itself runs the same kernels.
 os.environ.setdefault("VLLM_DISABLED_KERNELS", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
 

@@ -62,10 +62,10 @@ def test_actor_with_fused_norms_scores_and_trains_as_the_eager_one(tiny_model, c
 
 
 def test_fused_norms_launch_fewer_operators_with_the_same_gemms(tmp_path):
-    """benchmarks/step_ops.py: one bf16 train step with eager and fused norms, real megatron-core on
+    """benchmarks/kernels/step_ops.py: one bf16 train step with eager and fused norms, real megatron-core on
     CPU. The same matrix products in the same dtypes, a quarter fewer operators (a device launches
     one or a few kernels per compiled region), and one region per norm pass."""
-    script, out = Path(__file__).resolve().parents[2] / "benchmarks" / "step_ops.py", tmp_path / "ops.json"
+    script, out = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "step_ops.py", tmp_path / "ops.json"
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}  # compile for real (conftest)
     subprocess.run([sys.executable, str(script), "--compare", "actor.norm_kernel=eager,fused", "--layers", "2",
                     "--rows", "8", "--seq", "64", "--out", str(out)], check=True, capture_output=True, cwd=script.parent,

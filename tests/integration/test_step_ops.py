@@ -1,5 +1,5 @@
 """actor.fp32_residual keeps the residual stream in fp32 without taking any matrix product out of
-bf16, and adds only casts to the operators a train step launches (benchmarks/step_ops.py,
+bf16, and adds only casts to the operators a train step launches (benchmarks/kernels/step_ops.py,
 real megatron-core on CPU): the step stays as cheap to launch as the bf16 one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_ops.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "step_ops.py"
 
 
 def test_fp32_residual_adds_only_casts_and_no_fp32_gemm(tmp_path):

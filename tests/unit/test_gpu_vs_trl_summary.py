@@ -1,4 +1,4 @@
-"""benchmarks/gpu_vs_trl.py rebuilds its result from the records each side wrote: one pair's folder,
+"""benchmarks/peers/gpu_vs_trl.py rebuilds its result from the records each side wrote: one pair's folder,
 or a series run over several commands (pair0/, pair1/, …), from the committed H200 records; and a
 series runs its sides in ABBA order."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-SCRIPT = ROOT / "benchmarks" / "gpu_vs_trl.py"
+SCRIPT = ROOT / "benchmarks" / "peers" / "gpu_vs_trl.py"
 
 
 def summarize(folder: Path) -> dict:
@@ -28,7 +28,7 @@ def test_one_folder_gives_the_committed_result():
 
 
 def test_a_series_of_pair_folders_reports_each_pair_and_the_median(tmp_path):
-    raws = ["gpu_vs_trl_h200_raw", "gpu_vs_trl_h200_micro64_raw", "gpu_vs_trl_h200_unfused_norm_raw"]
+    raws = ["gpu_vs_trl_h200_raw", "gpu_vs_trl_h200_micro64_raw", "archive/gpu_vs_trl_h200_unfused_norm_raw"]
     for k, raw in enumerate(raws):
         shutil.copytree(RESULTS / raw, tmp_path / f"pair{k}")
     (tmp_path / "pair1" / "order").write_text("trl\nours\n")
@@ -44,12 +44,12 @@ def test_a_series_of_pair_folders_reports_each_pair_and_the_median(tmp_path):
 
 def test_a_series_alternates_which_side_runs_first(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_vs_trl", SCRIPT)
-    sys.path.insert(0, str(SCRIPT.parent))  # its sibling _loop_overrides
+    saved = list(sys.path)  # the script puts benchmarks/ on it for its common/ helpers
     try:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
-        sys.path.remove(str(SCRIPT.parent))
+        sys.path[:] = saved
     runs = []
     for _ in range(6):
         k, side = mod.next_run(tmp_path)

@@ -3,7 +3,7 @@
 vLLM's DeepSeek-V4 holds the released FP8/MXFP4 weights, which the actor loads dequantised: at the
 first step both sides have the same weights, yet their logprobs differ (0.064 per token on the
 mini preset, docs/performance.md). Besides its weights, the engine rounds two things to FP8 that a
-bf16 actor keeps in bf16, and benchmarks/fp8_parts_cpu.py measures how far each moves the actor's
+bf16 actor keeps in bf16, and benchmarks/gap/fp8_parts_cpu.py measures how far each moves the actor's
 logprobs when applied to its own forward:
 - **the input of every FP8 GEMM** (wq_a, wkv, wq_b, wo_a, wo_b, the indexer's wq_b, the shared
   experts' w1/w3 and w2): per token, in groups of 128 channels, to e4m3 with a power-of-two (UE8M0)
