@@ -225,4 +225,6 @@ for _name in ("qwen3", "qwen3_moe"):
     register(Family(name=_name, model_types=(_name,), transformer_config=transformer_config, layer_spec=layer_spec,
                     model_kwargs=model_kwargs, params=params, check_parallel=check_parallel,
                     verify_names=verify_names, moe_routing=moe_routing, exact_layer_spec=_exact_layer_spec,
-                    grouped_experts=True))
+                    grouped_experts=True,
+                    # Qwen3's chat template writes <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+                    tool_call_parser="hermes"))

@@ -97,6 +97,9 @@ class Family:
     fp32_residual: bool = True
     # Whether the layer spec's MoE experts are models/grouped_experts.py's (actor.expert_kernel).
     grouped_experts: bool = False
+    # vLLM's parser of the tool calls this family writes (its --tool-call-parser name, read through
+    # vllm.tool_parsers.ToolParserManager by tools/parsing.py); "" for a family without one.
+    tool_call_parser: str = ""
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -167,6 +170,15 @@ def _gpt_widths(hf: dict) -> dict:
 def moe_routing(hf: dict) -> Optional[MoeRouting]:
     """The model's MoeRouting (None without routed experts)."""
     return family_for(hf).moe_routing(hf)
+
+
+def tool_call_parser(hf: dict) -> str:
+    """vLLM's tool-call parser for the model's family (Family.tool_call_parser); a ConfigError
+    naming the family when it has none."""
+    family = family_for(hf)
+    if not family.tool_call_parser:
+        raise ConfigError(f"model family {family.name} names no tool-call parser (Family.tool_call_parser)")
+    return family.tool_call_parser
 
 
 def exact_samples_on_v2(hf_config: dict, routing_replay: bool) -> bool:

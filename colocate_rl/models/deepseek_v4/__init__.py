@@ -170,4 +170,5 @@ FAMILY = register(Family(
     # the chunked window + compressed-entry attention keeps fp32 scores, the mHC streams are 4 wide.
     activation_factor=4.1,
     fp32_residual=False,  # the residual is hc_mult mHC streams, not Megatron's one stream
+    tool_call_parser="deepseek_v4",  # DSML <｜DSML｜tool_calls> blocks (vllm/parser/deepseek_v4.py)
 ))
