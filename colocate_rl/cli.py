@@ -48,8 +48,7 @@ def _fail(e: BaseException, code: int) -> SystemExit:
     return SystemExit(code)
 
 
-def main(config_fn, argv: list[str], gaps=None) -> dict:
-    """``gaps(cfg)``: a recipe's one line naming what its preset needs that is not built ('' if nothing)."""
+def main(config_fn, argv: list[str]) -> dict:
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "tiny")
     rest = [a for a in argv if not a.startswith("preset=")]
     files, overrides = split_cli(rest)
@@ -61,9 +60,6 @@ def main(config_fn, argv: list[str], gaps=None) -> dict:
         from colocate_rl import platform
 
         platform.hide_gpus()  # 0 means the CPU, for the actor and the engines, even on a GPU machine
-    missing = gaps(cfg) if gaps else ""
-    if missing and not cfg.dry_run:
-        raise _fail(missing, EXIT_CONFIG)
     check_hardware(cfg)
     print_config(cfg)
     from colocate_rl.plan import resolve
@@ -72,7 +68,7 @@ def main(config_fn, argv: list[str], gaps=None) -> dict:
         plan = resolve(cfg, strict=not cfg.dry_run)
     except ConfigError as e:
         raise _fail(e, EXIT_CONFIG) from None
-    print(plan.describe() + (f"\nnot built yet: {missing}" if missing else ""), flush=True)
+    print(plan.describe(), flush=True)
     if cfg.dry_run:
         return {"plan": plan}
     if cfg.supervise.max_restarts and not os.environ.get("COLOCATE_RL_ATTEMPT"):
