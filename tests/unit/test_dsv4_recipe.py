@@ -32,8 +32,8 @@ def test_published_preset_holds_every_published_setting_and_plans():
     assert cfg.rollout.weight_quantization == "fp8" and cfg.rollout.routing_replay
     assert cfg.actor.sequence_parallel and cfg.actor.optimizer_cpu_offload
     assert (cfg.actor.optimizer_state_dtype, cfg.actor.optimizer_chunk_mb) == ("bfloat16", 256)
-    r = subprocess.run([sys.executable, str(RECIPE), "preset=amd-3node", "dry_run=true", "placement.accelerator=mi300x"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(RECIPE), "preset=amd-3node", "dry_run=true",
+                        "placement.accelerator=mi300x"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "routing_replay: true" in r.stdout and "tp 4 x pp 4" in r.stdout and "memory plan" in r.stdout
 
