@@ -17,9 +17,9 @@ from colocate_rl.metrics import read  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dsv4_flash_grpo.py"
 STEPS = 50
-# Held-out accuracy right after the preset's warm-start spans 0.40-0.47 over seeds 0-3 (128
-# problems): a rise must clear that whole spread to be learning and not a luckier start. 50 steps
-# rose by 0.08-0.14 on those seeds, 25 by 0.04-0.12.
+# Held-out accuracy right after the preset's warm-start of these weights spans 0.40-0.47 over
+# seed=0-3 (128 problems): a rise must clear that whole spread to be learning and not a luckier
+# start. 50 steps rose by 0.08-0.14 on those seeds, 25 by 0.04-0.12.
 WARM_START_SPREAD = 0.07
 
 
