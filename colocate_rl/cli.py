@@ -50,8 +50,7 @@ def _fail(e: BaseException | str, code: int) -> SystemExit:
     return SystemExit(code)
 
 
-def main(config_fn, argv: list[str], gaps=None) -> dict:
-    """``gaps(cfg)``: a recipe's one line naming what its preset needs that is not built ('' if nothing)."""
+def main(config_fn, argv: list[str]) -> dict:
     # megatron-core warns once per missing optional kernel package (TE, apex) when imported, which
     # the memory plan already does: the console keeps the run's own lines, and an error its one line.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
@@ -66,9 +65,6 @@ def main(config_fn, argv: list[str], gaps=None) -> dict:
         from colocate_rl import platform
 
         platform.hide_gpus()  # 0 means the CPU, for the actor and the engines, even on a GPU machine
-    missing = gaps(cfg) if gaps else ""
-    if missing and not cfg.dry_run:
-        raise _fail(missing, EXIT_CONFIG)
     check_hardware(cfg)
     print_config(cfg)
     from colocate_rl.plan import resolve
@@ -77,7 +73,7 @@ def main(config_fn, argv: list[str], gaps=None) -> dict:
         plan = resolve(cfg, strict=not cfg.dry_run)
     except ConfigError as e:
         raise _fail(e, EXIT_CONFIG) from None
-    print(plan.describe() + (f"\nnot built yet: {missing}" if missing else ""), flush=True)
+    print(plan.describe(), flush=True)
     if cfg.dry_run:
         return {"plan": plan}
     if cfg.supervise.max_restarts and not os.environ.get("COLOCATE_RL_ATTEMPT"):

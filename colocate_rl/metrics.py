@@ -104,6 +104,29 @@ def console_line(step: int, total: int, m: dict) -> str:
     return " | ".join(parts)
 
 
+def summary(rows: list[dict], seconds: float, warm_started: bool = False) -> list[str]:
+    """The run's outcome in a few lines: each eval set's held-out accuracy from its first eval
+    (at step 0: right after the warm-start, if there was one) to its last, the train reward over
+    the first and last 5 steps, and the steps and wall time."""
+    lines = []
+    for key in sorted({k for r in rows for k in r if k.startswith("eval") and k.endswith("/accuracy")}):
+        ev = [(r["step"], r[key]) for r in rows if key in r]
+        (s0, a0), (s1, a1) = ev[0], ev[-1]
+        if s1 > s0:
+            first = "after the warm-start" if warm_started and s0 == 0 else f"at step {s0}"
+            name = key[len("eval/"):-len("/accuracy")] if key.count("/") == 2 else ""
+            lines.append(f"held-out accuracy{f' ({name})' if name else ''} {a0:.2f} {first} -> {a1:.2f} at step {s1} "
+                         f"({100 * (a1 - a0):+.0f} points)")
+    reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    if reward:
+        head, tail = reward[:5], reward[-5:]
+        lines.append(f"train reward {sum(head) / len(head):.2f} -> {sum(tail) / len(tail):.2f} "
+                     "(mean of the first and last 5 steps)")
+    steps = max((r["step"] for r in rows), default=0)
+    lines.append(f"{steps} steps in {int(seconds // 60)} min {int(seconds % 60)} s")
+    return lines
+
+
 def plot(metrics_path: Path, out_png: Path) -> Path | None:
     """curves.png: train reward and held-out accuracy / pass@k by step (left), seconds per phase
     stacked (right)."""

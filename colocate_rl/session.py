@@ -19,7 +19,7 @@ from colocate_rl.data import PromptDataset, PromptSampler, load_prompts
 from colocate_rl.handoff import Handoff
 from colocate_rl.memory import checkpoint_bytes
 from colocate_rl.models.registry import load_tokenizer, model_folder
-from colocate_rl.metrics import MetricsLog, plot
+from colocate_rl.metrics import MetricsLog, plot, read, summary
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import Workers, check_shared_folder, launch
 from colocate_rl.plan import RunPlan, resolve
@@ -64,6 +64,9 @@ class Session:
             write_text(self.run_dir / "memory.json", json.dumps(
                 {"predicted": self.plan.memory.peaks(), "measured": measured, "parts": self.plan.memory.parts,
                  "offload": list(self.plan.memory.offload), "capacity": self.plan.capacity}, indent=1))
+        if (self.run_dir / "metrics.jsonl").exists():
+            rows = read(self.run_dir / "metrics.jsonl")
+            print("\n".join(summary(rows, out["seconds"], warm_started=self.cfg.sft.steps > 0)), flush=True)
         if self.cfg.logging.plot and (self.run_dir / "metrics.jsonl").exists():
             png = plot(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             out["plot"] = str(png) if png else None

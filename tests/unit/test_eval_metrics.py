@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from colocate_rl.eval import pass_at_k, summarize
-from colocate_rl.metrics import MetricsLog, PhaseTimer, console_line, plot, read
+from colocate_rl.metrics import MetricsLog, PhaseTimer, console_line, plot, read, summary
 from colocate_rl.types import RolloutBatch, Sample
 
 
@@ -43,3 +43,17 @@ def test_metrics_file_console_and_plot(tmp_path):
     assert "step 3/10" in line and "reward 0.300" in line and "eval acc 0.500" in line
     png = plot(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.stat().st_size > 10_000
+
+
+def test_summary_names_the_held_out_gain_the_reward_and_the_time():
+    rows = [{"step": 0, "eval/accuracy": 0.25}, *({"step": s, "reward/mean": 0.1 * s} for s in range(1, 11)),
+            {"step": 10, "eval/accuracy": 0.5}]
+    lines = summary(rows, 125.0, warm_started=True)
+    assert lines == ["held-out accuracy 0.25 after the warm-start -> 0.50 at step 10 (+25 points)",
+                     "train reward 0.30 -> 0.80 (mean of the first and last 5 steps)", "10 steps in 2 min 5 s"]
+    # Without a warm-start, or with a first eval after step 0, the line says when the first eval was.
+    assert summary(rows, 1.0)[0].startswith("held-out accuracy 0.25 at step 0 ->")
+    two_sets = [{"step": 5, "eval/a/accuracy": 0.5, "eval/b/accuracy": 0.1}, {"step": 9, "eval/a/accuracy": 0.25}]
+    assert summary(two_sets, 1.0, warm_started=True)[0] == \
+        "held-out accuracy (a) 0.50 at step 5 -> 0.25 at step 9 (-25 points)"
+    assert summary(two_sets, 1.0)[1] == "9 steps in 0 min 1 s"  # one eval of set b: no line for it
