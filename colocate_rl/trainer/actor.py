@@ -136,6 +136,8 @@ class Actor:
         """Every GroupedExperts layer runs its experts in grouped GEMMs, as the plan resolved
         actor.expert_kernel; a layer or device that cannot stops here, naming why."""
         layers = [m for m in module.modules() if isinstance(m, GroupedExperts)]
+        if not layers:  # a dense model (known to the plan only by its hub id): nothing to group
+            return
         reasons = [m.why_not_grouped for m in layers]
         if not grouped_gemm_runs(self.device.type, self.dtype):
             reasons.insert(0, f"torch's grouped GEMM does not run for {self.dtype} on this {self.device.type}")

@@ -1,7 +1,8 @@
 """Components take their own config sections and the plan's record (resolved.py), never the whole
 ``Config``: only the run's top (loop, session, plan, cli, supervise) and config.py itself take it. A
 public function, a constructor or a dataclass field below them whose annotation names ``Config``,
-or a parameter ``cfg`` without an annotation, fails here."""
+or a parameter ``cfg`` without an annotation, fails here; so does a ``Resolved`` built anywhere but
+in plan.resolve."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def test_the_check_catches_a_component_that_does(tmp_path):
     assert violations(pkg) == ["colocate_rl/trainer/bad.py: Actor.__init__(cfg)",
                                "colocate_rl/trainer/bad.py: Held.cfg: Config",
                                "colocate_rl/trainer/bad.py: build(cfg)"]
+
+
+def _record_builders(root: Path) -> list[str]:
+    """Where the package constructs a ``Resolved`` (by name or as ``module.Resolved``)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "Resolved" in (getattr(node.func, "id", None),
+                                                              getattr(node.func, "attr", None)):
+                out.append(str(path.relative_to(root.parent)))
+    return out
+
+
+def test_only_the_plan_fills_the_record(tmp_path):
+    assert _record_builders(PKG) == ["colocate_rl/plan.py"]
+    (tmp_path / "colocate_rl").mkdir()
+    (tmp_path / "colocate_rl" / "trainer.py").write_text("from colocate_rl import resolved\nr = resolved.Resolved()\n")
+    assert _record_builders(tmp_path / "colocate_rl") == ["colocate_rl/trainer.py"]
