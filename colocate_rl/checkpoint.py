@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -37,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from colocate_rl import config as C
+from colocate_rl.errors import error_line
 from colocate_rl.private import opener, private_dir, seal
 
 MANIFEST = "manifest.json"
@@ -187,9 +188,9 @@ def load_data(source: Path | bytes, where: Path | str):
                                    "(loading it could run code)") from None
         said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))
         raise CheckpointUnsafe(f"{where} is not plain tensor data (torch.load with weights_only: "
-                               f"{said[1] if said else C.error_line(e)}): refused") from None
+                               f"{said[1] if said else error_line(e)}): refused") from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointCorrupt(f"{where} is unreadable ({C.error_line(e)})") from None
+        raise CheckpointCorrupt(f"{where} is unreadable ({error_line(e)})") from None
 
 
 # What torch's distributed checkpoint metadata (and megatron-core's, the torch_dist format) pickles:
@@ -226,7 +227,7 @@ def read_metadata(path: Path):
         raise CheckpointUnsafe(f"{path} {e}, which checkpoint metadata never holds: refused "
                                "(loading it could run code)") from None
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointCorrupt(f"{path} is unreadable ({C.error_line(e)})") from None
+        raise CheckpointCorrupt(f"{path} is unreadable ({error_line(e)})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointCorrupt(f"{path} is not a distributed checkpoint's metadata ({type(metadata).__name__})")
     return metadata
@@ -247,7 +248,7 @@ def check_actor(folder: Path) -> None:
                 if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
                     _check_item(folder, index.fqn, info)
         except (AttributeError, TypeError) as e:  # built of allowed classes, but not as torch builds them
-            raise CheckpointCorrupt(f"{path} is malformed ({C.error_line(e)})") from None
+            raise CheckpointCorrupt(f"{path} is malformed ({error_line(e)})") from None
     if (folder / "common.pt").is_file():
         load_data(folder / "common.pt", folder / "common.pt")
 
@@ -266,7 +267,7 @@ def _check_item(folder: Path, fqn: str, info) -> None:
             f.seek(info.offset)
             data = f.read(info.length)
     except (OSError, ValueError) as e:
-        raise CheckpointCorrupt(f"{where} is unreadable ({C.error_line(e)})") from None
+        raise CheckpointCorrupt(f"{where} is unreadable ({error_line(e)})") from None
     if len(data) != info.length:
         raise CheckpointCorrupt(f"{where} is cut short ({len(data)} of {info.length} bytes)")
     load_data(data, where)
@@ -296,7 +297,7 @@ def _why(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
-    return C.error_line(e)
+    return error_line(e)
 
 
 def space_warning(root: Path, each: int, copies: int) -> Optional[str]:
@@ -312,10 +313,10 @@ def space_warning(root: Path, each: int, copies: int) -> Optional[str]:
             f"{where} (checkpoint.dir)")
 
 
-def copies_on_disk(cfg: C.Config) -> int:
-    """The most checkpoints this run holds at once: the kept ones and the one being written."""
-    saves = (cfg.steps // cfg.checkpoint.every if cfg.checkpoint.every > 0 else 0) + int(cfg.checkpoint.at_end)
-    return min(saves, cfg.checkpoint.keep + 1) if cfg.checkpoint.keep > 0 else saves
+def copies_on_disk(ckpt: C.CheckpointConfig, steps: int) -> int:
+    """The most checkpoints a run of ``steps`` holds at once: the kept ones and the one being written."""
+    saves = (steps // ckpt.every if ckpt.every > 0 else 0) + int(ckpt.at_end)
+    return min(saves, ckpt.keep + 1) if ckpt.keep > 0 else saves
 
 
 class CheckpointStore:
@@ -421,19 +422,31 @@ class CheckpointStore:
 # ---------------------------------------------------------------- export
 
 
+def export_config(saved: dict) -> C.Config:
+    """A checkpoint's config as what an export runs: one actor rank in this process (tp = pp = ep = 1,
+    megatron-core reshards on load) built from the run's model, actor and algorithm sections, with
+    the kernels the run's actor ran (rollout.exact); nothing of the rollout side starts."""
+    cfg = C.from_dict(saved)
+    actor = replace(cfg.actor, tp=1, pp=1, ep=1, dp=0, sequence_parallel=False, emulate_rollout_fp8=False)
+    rollout = C.RolloutConfig(exact=cfg.rollout.exact, max_response_tokens=cfg.rollout.max_response_tokens,
+                              max_model_len=cfg.rollout.max_model_len)
+    from colocate_rl import platform
+
+    return C.Config(model=cfg.model, actor=actor, algorithm=cfg.algorithm, rollout=rollout, data=cfg.data,
+                    placement=C.PlacementConfig(gpus_per_node=min(platform.machine_gpus(), 1)), steps=cfg.steps,
+                    seed=cfg.seed)
+
+
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """An HF safetensors folder (config.json, tokenizer, weights) from a checkpoint, through a
-    one-rank actor built from the checkpoint's own config (megatron-core reshards on load)."""
+    one-rank actor built from the checkpoint's own config (``export_config``)."""
     checkpoint, out = Path(checkpoint), Path(out)
     state = read(checkpoint)  # before anything heavy loads: a refused checkpoint stops in one line
     from safetensors.torch import save_file
 
-    from colocate_rl.trainer import Actor
+    from colocate_rl.plan import resolve
 
-    cfg = C.from_dict(state["config"])
-    cfg.actor.tp = cfg.actor.pp = cfg.actor.ep = 1
-    cfg.actor.dp = 0
-    actor = Actor(cfg)
+    actor = resolve(export_config(state["config"]), strict=False).build().make_actor()
     actor.load_checkpoint(str(checkpoint / ACTOR))
     private_dir(out)
     weights = {name: t.detach().to("cpu").contiguous().clone() for name, t in actor.export_hf_weights()}

@@ -15,9 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from colocate_rl.config import Config, ConfigError, load, print_config, split_cli
-
-# Exit codes a supervisor does not restart after (colocate_rl.supervise): restarting cannot help.
-EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+from colocate_rl.supervise import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, supervise
 
 
 def preset_config(yaml_path: Path, preset: str, recipe: str) -> Config:
@@ -32,10 +30,9 @@ def preset_config(yaml_path: Path, preset: str, recipe: str) -> Config:
 def check_hardware(cfg: Config) -> None:
     """Fail in one line, before anything heavy loads, when this machine cannot run the placement."""
     from colocate_rl import platform
-    from colocate_rl.config import machine_gpus
 
     need = cfg.placement.gpus_per_node
-    have = machine_gpus() if need else 0
+    have = platform.machine_gpus() if need else 0
     if need > have and not cfg.dry_run:
         where = f"{cfg.placement.nnodes} node(s) x {need} GPUs" if cfg.placement.nnodes > 1 else f"{need} GPUs"
         raise SystemExit(
@@ -77,9 +74,7 @@ def main(config_fn, argv: list[str]) -> dict:
     if cfg.dry_run:
         return {"plan": plan}
     if cfg.supervise.max_restarts and not os.environ.get("COLOCATE_RL_ATTEMPT"):
-        from colocate_rl.supervise import supervise
-
-        raise SystemExit(supervise(cfg, argv))
+        raise SystemExit(supervise(cfg, plan.resolved.run_name, argv))
     # vLLM logs each engine call at INFO and, on CPU, warns at every in-place reload that the rotary
     # embedding has no weights to load: keep the console to the run's own lines unless
     # VLLM_LOGGING_LEVEL says otherwise.
@@ -87,7 +82,7 @@ def main(config_fn, argv: list[str]) -> dict:
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 
     try:
-        return run(cfg)
+        return run(cfg, plan)
     except ConfigError as e:  # found once the model folder exists (e.g. a tokenizer that does not fit)
         raise _fail(e, EXIT_CONFIG) from None
     except FloatingPointError as e:  # the NaN stop: restarting would only repeat it

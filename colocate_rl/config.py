@@ -1,17 +1,16 @@
-"""The config tree: one small dataclass per component, merged by OmegaConf, validated at load.
+"""The config tree: one small dataclass per component, merged by OmegaConf, checked field by field at load.
 
 A recipe is a function returning a ``Config``; the command line adds YAML files and dotted
 ``key=value`` overrides on top (``load``). Every check here raises ``ConfigError`` whose one-line
-message names the field, so a bad run stops before any engine starts.
+message names the field, so a bad run stops before any engine starts. What follows from several
+sections (the layout, the kernels, the rules between sections) is the plan's: colocate_rl.plan.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,28 +18,8 @@ from typing import Any, Callable, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from colocate_rl.private import private_dir
-
-
 class ConfigError(ValueError):
     """A bad config value; the message names the field."""
-
-
-def _message_line(e: BaseException) -> str:
-    """The first line of an error's message, '' when it has none (a bare ``str(e).splitlines()[0]``
-    would raise IndexError there and hide the error it reports)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def error_line(e: BaseException) -> str:
-    """``Type: first line of the message``: an error as one line of a log or of another error."""
-    return f"{type(e).__name__}: {_message_line(e)}"
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an error's message, or its type's name when the message is empty."""
-    return _message_line(e) or type(e).__name__
 
 
 @dataclass
@@ -423,7 +402,9 @@ def load(base: Config | None = None, files: list[str] = (), overrides: list[str]
         raise ConfigError(f"config field '{missing[0]}' must be set")
     cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
     if cfg.placement.gpus_per_node == -1:  # printed and saved as the count it stands for
-        cfg.placement.gpus_per_node = machine_gpus()
+        from colocate_rl import platform  # torch: only for this question
+
+        cfg.placement.gpus_per_node = platform.machine_gpus()
     validate(cfg)
     return cfg
 
@@ -472,8 +453,8 @@ def print_config(cfg: Config) -> None:
 # ---------------------------------------------------------------- validation
 
 # Choice lists of plain settings. Names resolved through a registry (algorithm.advantage,
-# algorithm.policy_loss, reward.name, rollout.backend, the model family) are checked against the
-# registry itself, in colocate_rl.plan, before anything loads.
+# algorithm.policy_loss, reward.name, rollout.backend, placement.mode and placement.launcher, the
+# model family) are checked against the registry itself, in colocate_rl.plan, before anything loads.
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
@@ -486,8 +467,6 @@ CHOICES = {
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "data.format": ("auto", "verl", "slime", "math"),
     "data.on_bad_row": ("error", "skip"),
-    "placement.mode": ("colocated", "disaggregated"),
-    "placement.launcher": ("auto", "ray", "local"),
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
     "rollout.sleep_level": (1, 2),
     "rollout.weight_quantization": ("", "fp8"),
@@ -535,7 +514,7 @@ TIMEOUT = Range(0, MAX_TIMEOUT_S, open_lo=True)
 
 # Every int and float field of the tree and the values it may take (bool fields and those in
 # CHOICES aside; tests/unit/test_config.py checks that none is missing). Relations between fields
-# are checked in ``validate``.
+# of one section are checked in ``validate``, between sections by the plan.
 RANGES: dict[str, Range] = {
     "rollout.n": COUNT,
     "rollout.temperature": Range(0, note="0 samples greedily"),
@@ -625,191 +604,10 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
-def resolve_fp32_residual(cfg: Config, family_allows: bool = True) -> bool:
-    """actor.fp32_residual resolved: as set, or unset: on for a 16-bit actor outside exact mode
-    whose family keeps one plain residual stream (``family_allows``: models.registry.Family.fp32_residual)."""
-    if cfg.actor.fp32_residual is not None:
-        return cfg.actor.fp32_residual
-    return family_allows and cfg.model.dtype != "float32" and not cfg.rollout.exact
 
-
-def fused_logprobs(cfg: Config, on_gpu: bool) -> bool:
-    """Whether the loss's logprobs run through the fused kernels: actor.logprob_kernel fused, or auto
-    on a GPU (where torch.compile writes device kernels); exact mode computes them its own way."""
-    kernel = cfg.actor.logprob_kernel
-    return not cfg.rollout.exact and (kernel == "fused" or (kernel == "auto" and on_gpu))
-
-
-def grouped_experts(cfg: Config, on_gpu: bool) -> bool:
-    """Whether a MoE actor's experts run through the grouped GEMMs: actor.expert_kernel grouped, or
-    auto on a GPU with a 16-bit actor (torch's CUDA grouped GEMM takes bf16). Not in exact mode (vLLM's
-    fused experts) nor under actor.emulate_rollout_fp8, whose roundings hook each expert's linears."""
-    kernel = cfg.actor.expert_kernel
-    auto = on_gpu and cfg.model.dtype != "float32"
-    return not (cfg.rollout.exact or cfg.actor.emulate_rollout_fp8) and \
-        (kernel == "grouped" or (kernel == "auto" and auto))
-
-
-class HFConfig(dict):
-    """A model's config.json as a dict that names its file: reading a field it lacks raises a
-    ConfigError naming the file and the field, where a bare KeyError would name neither."""
-
-    def __init__(self, fields: dict, source: str):
-        super().__init__(fields)
-        self.source = source
-
-    def __missing__(self, key: str):
-        raise ConfigError(f"{self.source} has no field '{key}', which the model's family reads")
-
-
-def read_model_config(folder: str | Path) -> HFConfig:
-    """``folder``/config.json, or a ConfigError naming the file: missing, not JSON (and where), or
-    not a JSON object."""
-    p = Path(folder) / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"model.path={folder} has no config.json")
-    try:
-        fields = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p} is not JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p} cannot be read ({error_line(e)})") from None
-    if not isinstance(fields, dict):
-        raise ConfigError(f"{p} holds a JSON {type(fields).__name__}, not an object of fields")
-    return HFConfig(fields, str(p))
-
-
-def model_info(cfg: Config) -> dict:
-    """The HF config.json of cfg.model.path when it is a local folder, else {} (hub ids resolve later)."""
-    if (Path(cfg.model.path) / "config.json").is_file():
-        return read_model_config(cfg.model.path)
-    return {}
-
-
-# ---------------------------------------------------------------- the parallel layout
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Who runs where, derived once from ``placement``, ``actor`` and ``rollout`` (``layout``).
-
-    On CPU (gpus_per_node = 0) the actor's ranks are processes and ``actor_gpus`` counts them; a
-    node's "GPUs" are then the ranks it holds: the actor ranks split evenly over the actor nodes
-    (``actor.dp`` = 0 derives one tp x pp group per actor node), and each colocated node runs one
-    engine."""
-
-    gpus_per_node: int  # 0 = CPU
-    nnodes: int
-    colocated: bool
-    actor_gpus: int  # actor ranks = tp x pp x dp
-    tp: int
-    pp: int
-    ep: int
-    dp: int
-    rollout_gpus: int  # GPUs the engines run on (colocated: the actor's)
-    engines: int  # vLLM engines (colocated: one per TP group of every node; on CPU one per node)
-    engine_tp: int
-    actor_nodes: int = 1  # nodes holding actor ranks (colocated: every node)
-    rollout_nodes: int = 1  # nodes holding engines (colocated: every node; disaggregated on one node: that node)
-    ranks_per_node: int = 1  # actor ranks on each actor node (its GPUs; on CPU actor ranks / actor nodes)
-    engines_per_node: int = 1  # engines on each rollout node
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.gpus_per_node > 0
-
-
-def machine_gpus() -> int:
-    """GPUs of this machine (0 without one)."""
-    from colocate_rl import platform
-
-    import torch
-
-    return torch.cuda.device_count() if platform.has_gpu() else 0
-
-
-def gpus_per_node(cfg: Config) -> int:
-    """placement.gpus_per_node with -1 (this machine's GPUs) resolved."""
-    g = cfg.placement.gpus_per_node
-    return machine_gpus() if g < 0 else g
-
-
-def layout(cfg: Config) -> Layout:
-    """The layout, or ConfigError naming the field that does not fit."""
-    pl, a, r = cfg.placement, cfg.actor, cfg.rollout
-    gpn = gpus_per_node(cfg)
-    colocated = pl.mode == "colocated"
-    if colocated:
-        actor_nodes = rollout_nodes = pl.nnodes
-    elif pl.nnodes > 1:
-        actor_nodes, rollout_nodes = pl.actor_nodes, pl.rollout_nodes
-    else:
-        actor_nodes = rollout_nodes = 1  # one node holds both pools
-    if gpn == 0:
-        actor = a.tp * a.pp * (a.dp or actor_nodes)  # dp = 0: one tp x pp group per actor node
-        rollout = 0
-        if actor % actor_nodes:
-            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks do not split "
-                              f"evenly over the {actor_nodes} actor node(s) (placement.nnodes={pl.nnodes}; on CPU "
-                              "each node holds the same number of ranks)")
-        if actor // actor_nodes > MAX_PROCESSES:
-            raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks, "
-                              f"{actor // actor_nodes} processes per node on the CPU: at most {MAX_PROCESSES}")
-    elif colocated:
-        actor = rollout = pl.nnodes * gpn
-    elif pl.nnodes > 1:
-        actor, rollout = pl.actor_nodes * gpn, pl.rollout_nodes * gpn
-    else:
-        actor, rollout = pl.actor_gpus, gpn - pl.actor_gpus
-    if actor % (a.tp * a.pp):
-        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {actor} actor GPUs "
-                          f"(placement: {pl.mode}, {pl.nnodes} node(s) x {gpn})")
-    dp = actor // (a.tp * a.pp)
-    if a.dp and a.dp != dp:
-        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {a.tp * a.pp * a.dp} "
-                          f"does not match the {actor} actor GPUs")
-    if (a.tp * dp) % a.ep:
-        raise ConfigError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * dp}")
-    tp = r.tensor_parallel_size
-    engines = r.num_engines or 1
-    if gpn:
-        if tp > gpn:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} exceeds placement.gpus_per_node={gpn}: "
-                              "an engine's TP group stays on one node")
-        if (colocated or rollout_nodes > 1) and gpn % tp:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpn} GPUs of a node")
-        if colocated:
-            engines = pl.nnodes * (gpn // tp)
-        elif not r.num_engines:
-            engines = max(rollout // tp, 1)
-            if engines * tp != rollout:
-                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {rollout} rollout GPUs")
-        elif engines * tp != rollout:
-            raise ConfigError(f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} must equal the "
-                              f"{rollout} rollout GPUs (set rollout.num_engines={max(rollout // tp, 1)})")
-    elif colocated:
-        engines = pl.nnodes  # one CPU engine per node, serving that node's ranks
-    elif rollout_nodes > 1:
-        engines = r.num_engines or rollout_nodes
-        if engines % rollout_nodes:
-            raise ConfigError(f"rollout.num_engines={engines} does not split evenly over placement.rollout_nodes="
-                              f"{rollout_nodes} (on CPU each rollout node holds the same number of engines)")
-    return Layout(gpus_per_node=gpn, nnodes=pl.nnodes, colocated=colocated, actor_gpus=actor, tp=a.tp, pp=a.pp,
-                  ep=a.ep, dp=dp, rollout_gpus=rollout, engines=engines, engine_tp=tp, actor_nodes=actor_nodes,
-                  rollout_nodes=rollout_nodes, ranks_per_node=actor // actor_nodes,
-                  engines_per_node=engines // rollout_nodes)
-
-
-def actor_world_size(cfg: Config) -> int:
-    """Actor ranks (GPUs; processes on CPU)."""
-    return layout(cfg).actor_gpus
-
-
-# ---------------------------------------------------------------- validation
-
-
-def validate(cfg: Config, info: Optional[dict] = None) -> None:
-    """Raises ConfigError naming the first bad field. ``info`` is the model's HF config (if known)."""
+def validate(cfg: Config) -> None:
+    """Raises ConfigError naming the first bad field: choices, ranges and the rules within one
+    section. Rules across sections, and the layout, are the plan's (colocate_rl.plan)."""
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {', '.join(map(str, allowed))}")
@@ -817,96 +615,16 @@ def validate(cfg: Config, info: Optional[dict] = None) -> None:
     ar = cfg.data.arithmetic
     if not ar.ops or set(ar.ops) - set("+-*"):
         raise ConfigError(f"data.arithmetic.ops={ar.ops!r} must use only + - *")
-    if cfg.actor.min_lr > cfg.actor.lr:
-        raise ConfigError(f"actor.min_lr={cfg.actor.min_lr} must be <= actor.lr={cfg.actor.lr} (the schedule "
+    a = cfg.actor
+    if a.min_lr > a.lr:
+        raise ConfigError(f"actor.min_lr={a.min_lr} must be <= actor.lr={a.lr} (the schedule "
                           "decays from actor.lr to actor.min_lr)")
-    if cfg.actor.sequence_parallel and cfg.actor.tp == 1:
+    if a.sequence_parallel and a.tp == 1:
         raise ConfigError("actor.sequence_parallel=true needs actor.tp > 1 (it splits the sequence over the "
                           "tensor-parallel ranks)")
-    if cfg.rollout.exact and cfg.rollout.tensor_parallel_size != cfg.actor.tp:
-        raise ConfigError(f"rollout.exact=true needs rollout.tensor_parallel_size ({cfg.rollout.tensor_parallel_size}) "
-                          f"== actor.tp ({cfg.actor.tp}): a sum split over another number of ranks rounds differently")
-    if cfg.rollout.exact and cfg.actor.fp32_residual:
-        raise ConfigError("rollout.exact=true computes the residual stream in the model dtype as vLLM does: "
-                          "leave actor.fp32_residual unset or false")
-    if cfg.rollout.exact and cfg.actor.logprob_kernel == "fused":
-        raise ConfigError("rollout.exact=true computes the logprobs as vLLM's sampler does: "
-                          "unset actor.logprob_kernel=fused")
-    if cfg.actor.emulate_rollout_fp8 and cfg.actor.expert_kernel == "grouped":
+    if a.emulate_rollout_fp8 and a.expert_kernel == "grouped":
         raise ConfigError("actor.emulate_rollout_fp8=true rounds each expert's GEMM inputs through its own linear "
                           "layer: unset actor.expert_kernel=grouped")
-    if cfg.rollout.exact and cfg.actor.norm_kernel == "fused":
-        raise ConfigError("rollout.exact=true computes the norms as vLLM's kernels do: unset actor.norm_kernel=fused")
-    if cfg.rollout.exact and cfg.model.dtype not in ("bfloat16", "float16"):
-        raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
-                          "both sides run FlashAttention 3, which has no float32 kernels")
-
-    pl = cfg.placement
-    if pl.mode == "colocated" and (pl.actor_nodes or pl.rollout_nodes or pl.actor_gpus):
-        raise ConfigError(
-            "placement.mode=colocated shares every GPU between actor and rollout: "
-            "unset placement.actor_nodes/rollout_nodes/actor_gpus or set placement.mode=disaggregated"
-        )
-    gpn = gpus_per_node(cfg)
-    if pl.mode == "disaggregated":
-        if pl.nnodes > 1 and (pl.actor_nodes < 1 or pl.rollout_nodes < 1):
-            raise ConfigError(f"placement.actor_nodes={pl.actor_nodes} and placement.rollout_nodes={pl.rollout_nodes} "
-                              f"must both be >= 1 on placement.nnodes={pl.nnodes} nodes")
-        if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
-            raise ConfigError(
-                f"placement.actor_nodes={pl.actor_nodes} + placement.rollout_nodes={pl.rollout_nodes} "
-                f"must equal placement.nnodes={pl.nnodes}"
-            )
-        if pl.nnodes == 1 and gpn > 0 and not 0 < pl.actor_gpus < gpn:
-            raise ConfigError(
-                f"placement.actor_gpus={pl.actor_gpus} must leave GPUs for rollout on one node of "
-                f"{gpn} (0 < actor_gpus < gpus_per_node)"
-            )
-    lay = layout(cfg)
-    if pl.launcher == "local" and (lay.actor_gpus != 1 or pl.nnodes > 1 or pl.mode != "colocated"):
-        raise ConfigError(f"placement.launcher=local runs one process (a world of one, colocated); this layout "
-                          f"needs {lay.actor_gpus} actor ranks: set placement.launcher=auto or ray")
-    if pl.mode == "colocated" and (cfg.rollout.off_policy or cfg.rollout.custom_fn):
-        raise ConfigError("rollout.off_policy and rollout.custom_fn need placement.mode=disaggregated")
-    if cfg.actor.emulate_rollout_fp8 and cfg.rollout.weight_quantization != "fp8":
-        raise ConfigError("actor.emulate_rollout_fp8=true rounds as an FP8 engine does: it needs "
-                          "rollout.weight_quantization=fp8")
-    if cfg.rollout.weight_quantization == "fp8" and gpn == 0:
-        raise ConfigError("rollout.weight_quantization=fp8 needs GPUs: vLLM's CPU backend runs no FP8 weights")
-    if cfg.rollout.off_policy and cfg.algorithm.is_clamp <= 0:
-        raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
-                          "weights the one-step-stale samples")
-    if cfg.actor.optimizer_state_dtype != "float32" and not cfg.actor.optimizer_cpu_offload:
+    if a.optimizer_state_dtype != "float32" and not a.optimizer_cpu_offload:
         raise ConfigError("actor.optimizer_state_dtype=bfloat16 needs actor.optimizer_cpu_offload=true "
                           "(megatron-core keeps bf16 moments only in TransformerEngine's FusedAdam)")
-    if cfg.rollout.routing_replay and cfg.rollout.backend != "vllm":
-        raise ConfigError(f"rollout.routing_replay=true needs rollout.backend=vllm: the {cfg.rollout.backend} "
-                          "sampler returns no routed experts")
-    if cfg.rollout.routing_replay and gpn == 0:
-        raise ConfigError("rollout.routing_replay=true needs GPUs: vLLM's CPU build cannot return routed experts "
-                          "(placement.gpus_per_node=0 is the CPU)")
-    if cfg.rollout.backend == "transformers" and (pl.mode != "colocated" or pl.launcher == "ray"
-                                                  or lay.actor_gpus != 1):
-        raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
-                          "placement.mode=colocated with a world of one (placement.launcher local or auto)")
-
-    ctx = cfg.rollout.max_model_len or (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
-    if cfg.rollout.max_model_len and cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens > ctx:
-        raise ConfigError(
-            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + rollout.max_response_tokens="
-            f"{cfg.rollout.max_response_tokens} exceeds rollout.max_model_len={ctx}"
-        )
-    info = model_info(cfg) if info is None else info
-    if info:
-        max_pos = info.get("max_position_embeddings")
-        if max_pos and ctx > max_pos:
-            raise ConfigError(
-                f"rollout.max_response_tokens={cfg.rollout.max_response_tokens} + data.max_prompt_tokens="
-                f"{cfg.data.max_prompt_tokens} = {ctx} exceeds the model's context "
-                f"(max_position_embeddings={max_pos})"
-            )
-
-
-def cache_dir() -> Path:
-    """Run-local cache root (scripts/setup_env.sh exports COLOCATE_RL_CACHE), created private."""
-    return private_dir(Path(os.environ.get("COLOCATE_RL_CACHE", ".cache")).resolve())

@@ -8,8 +8,9 @@
 Colocated (actor and engine share each GPU), staged so the peak stays below the card:
     to_actor     sleep (vLLM frees its weights and KV cache) → onload the offloaded actor parts
     to_rollout   offload grads + optimizer → wake weights → sync → offload params → wake KV cache
-Which actor parts move is the memory plan's decision (``MemoryPlan.offload``; nothing, when
-everything fits beside vLLM). Disaggregated (each side on its own GPUs):
+Which actor parts move, and whether vLLM sleeps at all, is the memory plan's decision
+(``Resolved.offload`` and ``rollout_sleep``; nothing moves when everything fits beside vLLM).
+Disaggregated (each side on its own GPUs):
     to_actor     nothing: the actor's GPUs are its own
     to_rollout   wait for the engines to finish generating → broadcast the new weights
 
@@ -17,7 +18,8 @@ A dead engine is rebuilt in any phase, given the actor's current weights, and th
 the actor moves to what it keeps beside a running engine, a new engine is built, the cycle is
 walked once to sync it, and the interrupted operation resumes from there (a to_rollout is then
 already done; a generate is issued again with the same seed). At most
-``rollout.max_engine_restarts`` times per operation.
+``rollout.max_engine_restarts`` times per operation. ``HANDOFFS`` names each kind, as a placement
+asks for it (placement.base.Placement.handoff).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import logging
 from typing import Any, Callable, Iterator, Optional
 
 from colocate_rl import faults
-from colocate_rl.config import Config
+from colocate_rl.config import SyncConfig
 from colocate_rl.memory import MemoryPlan, Phase, PhaseMachine
 from colocate_rl.metrics import PhaseTimer
+from colocate_rl.resolved import Resolved
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.weight_sync.ipc import SyncStats
+from colocate_rl.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +53,17 @@ def _timed(t: Optional[PhaseTimer], name: str):
 
 
 class Handoff:
-    """``workers``: the placement's handles (placement.base.Workers: actor, rollout, sync, verify,
-    restart_rollout). ``step``: a callable giving the step in progress (for fault points and logs)."""
+    """``workers``: the placement's handles; ``memory``: the bytes each phase may hold (checked at
+    every phase boundary); ``resolved``: what moves and what sleeps; ``sync``: how weights travel;
+    ``max_engine_restarts``: engines replaced per operation. ``step``: a callable giving the step in
+    progress (for fault points and logs)."""
 
-    def __init__(self, cfg: Config, workers: Any, plan: MemoryPlan, step: Callable[[], int] = lambda: 0,
-                 measure: Optional[Callable[[], int]] = None):
-        self.cfg, self.workers, self.plan, self.step = cfg, workers, plan, step
-        self.machine = PhaseMachine(plan, measure=measure)
+    def __init__(self, workers: Workers, memory: MemoryPlan, resolved: Resolved, sync: SyncConfig,
+                 max_engine_restarts: int, step: Callable[[], int] = lambda: 0,
+                 measure: Optional[Callable[[], Optional[int]]] = None):
+        self.workers, self.resolved, self.sync, self.step = workers, resolved, sync, step
+        self.max_engine_restarts = max_engine_restarts
+        self.machine = PhaseMachine(memory, measure=measure)
         self.syncs = 0  # weights versions the engines have received
         self.restarts = 0  # engines replaced since the last take_counts()
         self.moved = {"onload": 0, "offload": 0}  # bytes, since the last take_counts()
@@ -100,9 +108,9 @@ class Handoff:
 
     def _sync(self) -> SyncStats:
         """The actor's weights → every engine; verified every sync.verify_every syncs."""
-        stats = self.workers.sync(self.cfg.sync.bucket_mb)
+        stats = self.workers.sync(self.sync.bucket_mb)
         self.syncs += 1
-        every = self.cfg.sync.verify_every
+        every = self.sync.verify_every
         if every and self.syncs % every == 0:
             self.workers.verify()  # raises WeightMismatch naming the tensor
         return stats
@@ -111,7 +119,7 @@ class Handoff:
         """Runs engine call ``fn`` at fault point ``what``. An engine found dead is replaced and given
         the actor's weights; then ``fn`` runs again (``retry``) or _Resynced ends the to_rollout
         in progress."""
-        limit = self.cfg.rollout.max_engine_restarts
+        limit = self.max_engine_restarts
         for attempt in range(limit + 1):
             faults.point(what, self.step())
             try:
@@ -142,41 +150,42 @@ class ColocatedHandoff(Handoff):
         faults.point(way, self.step())
         with _timed(t, way):
             if parts or way == "offload":
-                nbytes, seconds = getattr(self.workers.actor, way)(parts)
+                actor = self.workers.actor
+                nbytes, seconds = actor.onload(parts) if way == "onload" else actor.offload(parts)
                 self.moved[way] += nbytes
                 self.moved_s[way] += seconds
 
     def to_actor(self, t: Optional[PhaseTimer] = None) -> None:
         # self.workers.rollout is looked up at each call: a replaced engine is a new object. When the
         # plan says the actor's step fits beside the awake engine, it stays awake (only alive-checked).
+        level = self.resolved.rollout_sleep
         with _timed(t, "sleep"):
-            self._engine("sleep", lambda: self.workers.rollout.sleep(self.cfg.rollout.sleep_level)
-                         if self.plan.rollout_sleeps else self.workers.rollout.ping())
+            self._engine("sleep", lambda: self.workers.rollout.sleep(level) if level else self.workers.rollout.ping())
         self.machine.to(Phase.IDLE)
-        self._actor_move(t, "onload", list(self.plan.offload))
+        self._actor_move(t, "onload", list(self.resolved.offload))
         self.machine.to(Phase.ACTOR)
 
     def to_rollout(self, t: Optional[PhaseTimer] = None, changed: bool = True) -> SyncStats:
         # A sleeping engine always needs the sync, ``changed`` or not: sleep level 2 discarded its
         # weights. An engine kept awake still holds them.
         try:
-            return self._staged_wake(t, sync=changed or self.plan.rollout_sleeps)
+            return self._staged_wake(t, sync=changed or bool(self.resolved.rollout_sleep))
         except _Resynced as done:
             return done.stats
 
     def _staged_wake(self, t: Optional[PhaseTimer], sync: bool = True) -> SyncStats:
         """The weights wake while the KV cache still sleeps, so the peak is max(actor params + vLLM
         weights, vLLM weights + KV cache) instead of their sum."""
-        w, sleeps = self.workers, self.plan.rollout_sleeps
+        w, sleeps, offload = self.workers, self.resolved.rollout_sleep, self.resolved.offload
         self.machine.record()  # the train phase's peak: the allocator still holds the activations
-        self._actor_move(t, "offload", [p for p in ("grads", "optimizer") if p in self.plan.offload])
+        self._actor_move(t, "offload", [p for p in ("grads", "optimizer") if p in offload])
         self.machine.to(Phase.ACTOR_PARAMS)
         with _timed(t, "wake_weights"):
             self._engine("wake_weights", lambda: w.rollout.wake(["weights"]) if sleeps else None, retry=False)
         self.machine.to(Phase.SYNC)
         with _timed(t, "sync"):
             stats = self._engine("sync", self._sync, retry=False) if sync else SyncStats()
-        self._actor_move(t, "offload", ["params"] if "params" in self.plan.offload else [])
+        self._actor_move(t, "offload", ["params"] if "params" in offload else [])
         self.machine.to(Phase.ROLLOUT_WEIGHTS)
         with _timed(t, "wake_kv"):
             self._engine("wake_kv", lambda: w.rollout.wake(["kv_cache"]) if sleeps else None, retry=False)
@@ -187,7 +196,7 @@ class ColocatedHandoff(Handoff):
         """The actor keeps only what it keeps beside a running engine (the new one sizes its KV cache
         from the free memory), a new engine starts (awake, with the model folder's weights), then the
         cycle is walked once so it receives the actor's current weights."""
-        self.workers.actor.offload(list(self.plan.offload))
+        self.workers.actor.offload(list(self.resolved.offload))
         self.workers.restart_rollout()
         self.machine.reset(Phase.ROLLOUT)
         self.to_actor()
@@ -216,18 +225,7 @@ class DisaggregatedHandoff(Handoff):
         return SyncStats()
 
 
-def measure_device() -> Optional[Callable[[], int]]:
-    """Bytes in use on this process's GPU, all processes included (None on CPU)."""
-    import torch
+# Placement.handoff -> the kind that moves the device between the two sides of that layout.
+HANDOFFS: dict[str, type[Handoff]] = {"colocated": ColocatedHandoff, "disaggregated": DisaggregatedHandoff}
 
-    if not torch.cuda.is_available():
-        return None
-
-    def used() -> int:
-        free, total = torch.cuda.mem_get_info()
-        return total - free
-
-    return used
-
-
-__all__ = ["ColocatedHandoff", "DisaggregatedHandoff", "Handoff", "measure_device"]
+__all__ = ["HANDOFFS", "ColocatedHandoff", "DisaggregatedHandoff", "Handoff"]

@@ -29,14 +29,15 @@ from colocate_rl.config import Config
 from colocate_rl.data import sft_batch
 from colocate_rl.eval import evaluate as run_eval
 from colocate_rl.metrics import PhaseTimer, console_line
-from colocate_rl.rollout.base import EVAL_SEED_OFFSET, sampling_seed
+from colocate_rl.plan import RunPlan
+from colocate_rl.rollout.base import EVAL_SEED_OFFSET
 from colocate_rl.rollout.dynamic import refill
 from colocate_rl.session import Session, start_session
 from colocate_rl.types import RolloutBatch
 
 
-def run(cfg: Config) -> dict:
-    s = start_session(cfg)
+def run(cfg: Config, plan: RunPlan) -> dict:
+    s = start_session(cfg, plan)
     try:
         with StopOnInterrupt() as interrupt:
             prepare(s)
@@ -64,21 +65,21 @@ def prepare(s: Session) -> None:
 
 
 def step(s: Session, last: bool = False) -> dict:
-    cfg, t = s.cfg, PhaseTimer()
+    cfg, scheduling, t = s.cfg, s.plan.scheduling, PhaseTimer()
     if not len(s.buffer):
         request(s)
     with t("generate"):
         got = s.buffer.get()
     staleness = s.handoff.syncs - got.version  # weights versions between sampling and this update
-    if cfg.rollout.off_policy and not last:
+    if scheduling.off_policy and not last:
         request(s, ahead=1)  # generated while this step trains
     batch = got.batch
     with t("reward"):
         batch.rewards, reward_metrics = s.scorer.score(batch)
-    if cfg.rollout.dynamic_sampling:
+    if scheduling.dynamic_sampling:
         with t("resample"):
             batch, resampled = refill(batch, cfg.data.prompts_per_step, lambda k, r: more(s, k, r),
-                                      cfg.rollout.dynamic_max_rounds)
+                                      scheduling.dynamic_max_rounds)
         reward_metrics.update(resampled)
     batch.advantages = ADVANTAGES[cfg.algorithm.advantage](batch.rewards, batch.n_per_group, cfg.algorithm)
     s.handoff.to_actor(t)
@@ -111,13 +112,13 @@ def step(s: Session, last: bool = False) -> dict:
 def request(s: Session, ahead: int = 0) -> None:
     """Asks the buffer for the batch of the step ``ahead`` after the one in progress."""
     cursor = s.sampler.state_dict()
-    s.buffer.request(s.sampler.next_batch(), version=s.handoff.syncs, seed=sampling_seed(s.cfg, s.step + ahead),
+    s.buffer.request(s.sampler.next_batch(), version=s.handoff.syncs, seed=s.plan.sampling.step_seed(s.step + ahead),
                      cursor=cursor)
 
 
 def more(s: Session, k: int, round: int) -> RolloutBatch:
     """k more prompts' groups, generated now and scored (dynamic sampling's refill, round ``round``)."""
-    seed = sampling_seed(s.cfg, s.step)
+    seed = s.plan.sampling.step_seed(s.step)
     batch = s.buffer.generate(s.sampler.next_batch(k), seed=None if seed is None else seed + round * 104_729)
     batch.rewards, _ = s.scorer.score(batch)
     return batch
@@ -153,7 +154,7 @@ def end_step(s: Session, metrics: dict, interrupted: bool) -> bool:
 
 
 def evaluate(s: Session) -> dict:
-    ev, seed = s.cfg.eval, sampling_seed(s.cfg, s.step)
+    ev, seed = s.cfg.eval, s.plan.sampling.step_seed(s.step)
 
     def generate(samples, **kw):
         return s.handoff.on_rollout("eval", lambda: s.rollout.generate(samples, **kw))
@@ -201,7 +202,7 @@ def warm_start(s: Session) -> dict:
     with s.handoff.actor_owned():
         for i in tqdm(range(cfg.sft.steps), desc="sft warm-start", disable=not cfg.logging.progress):
             m = s.actor.sft_step(sft_batch(s.train_samples, s.tokenizer, cfg.sft.batch_size,
-                                           seed=cfg.seed * 1_000_003 + i))
+                                           seed=cfg.seed * 1_000_003 + i), cfg.sft.lr)
             recent = (recent + [m["exact_total"] / max(m["rows_total"], 1.0)])[-SFT_WINDOW:]
             if cfg.sft.stop_at_accuracy and len(recent) == SFT_WINDOW and \
                     sum(recent) / SFT_WINDOW >= cfg.sft.stop_at_accuracy:

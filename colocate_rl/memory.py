@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from colocate_rl.config import fused_logprobs, grouped_experts, resolve_fp32_residual
+from colocate_rl.config import ActorConfig, AlgorithmConfig, ModelConfig
+from colocate_rl.resolved import EngineSettings, Kernels, Layout
 
 GiB = 2**30
 
@@ -224,13 +225,14 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     return int(per_layer), int(2 * element_bytes * logits + temporaries)
 
 
-def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
-    """Predicted bytes per GPU. ``cfg`` the run's Config, ``layout`` its config.Layout, ``size``
-    models.registry.ModelSize, ``capacity``
-    bytes of one GPU (0 = unchecked). The estimate is deliberately simple and says so; a real run
-    records the measured bytes next to it (handoff.Handoff.measured)."""
-    a, r = cfg.actor, cfg.rollout
-    pb = _DTYPE_BYTES[cfg.model.dtype]
+def plan_memory(model: ModelConfig, a: ActorConfig, r: EngineSettings, layout: Layout, size, capacity: int,
+                kernels: Kernels, *, row_tokens: int, reference: bool, bucket_mb: float) -> MemoryPlan:
+    """Predicted bytes per GPU. ``size``: models.registry.ModelSize; ``capacity``: bytes of one GPU
+    (0 = unchecked); ``kernels``: how the actor computes; ``row_tokens``: a sequence's longest
+    (prompt + response); ``reference``: a KL term's reference policy is held; ``bucket_mb``: a sync
+    bucket's size. The estimate is deliberately simple and says so; a real run records the measured
+    bytes next to it (handoff.Handoff.measured)."""
+    pb = _DTYPE_BYTES[model.dtype]
     tp, pp, ep, dp = layout.tp, layout.pp, layout.ep, layout.dp
     dense = size.total - size.experts
     per_gpu = dense / (tp * pp) + size.experts / (ep * pp)
@@ -244,23 +246,21 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     on_host = a.optimizer_cpu_offload
     # Host Adam streams its state through the device two chunks at a time (master + 2 moments each).
     parts["actor_optimizer"] = int(2 * a.optimizer_chunk_mb * 2**20 * (4 + 2 * moment) / 4) if on_host else opt_bytes
-    if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: on the device for its forward pass
+    if reference:  # the frozen reference policy: on the device for its forward pass
         parts["reference"] = parts["actor_params"]
     # Activations of one micro-batch per pipeline stage in flight; full recompute keeps each layer's
     # input (the residual stream) plus one whole layer's activations.
-    row = cfg.data.max_prompt_tokens + r.max_response_tokens
-    tokens = max(a.micro_batch_tokens, row) if a.micro_batch_tokens else row * a.micro_batch_size
+    tokens = max(a.micro_batch_tokens, row_tokens) if a.micro_batch_tokens else row_tokens * a.micro_batch_size
     layers = size.layers / pp
-    rb = 4 if resolve_fp32_residual(cfg, size.fp32_residual) else pb
-    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb,
-                                       fused_logprobs(cfg, layout.on_gpu))
+    rb = 4 if kernels.fp32_residual else pb
+    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb, kernels.logprobs == "fused")
     act = (layers * rb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
     # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch) when
     # the actor kept 84.4 kB per token and layer and 616 kB for the head (activation_census_cpu.json,
     # earlier_code): 51.1 GiB of saved tensors.
     parts["activations"] = int(1.15 * size.activation_factor * (act * min(pp, 2) + head))
-    if size.grouped_experts and grouped_experts(cfg, layout.on_gpu):
+    if kernels.experts == "grouped":
         # The grouped GEMMs' stacked copy of one layer's local fc1 weights (2/3 of a SwiGLU expert's)
         # and, in the backward, their gradient stacked the same way.
         parts["activations"] += int(2 * pb * size.expert_layer * 2 / 3 / ep)
@@ -276,7 +276,7 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     from colocate_rl.models.mapping import RUN_BYTES
 
     gathered = max(size.largest * pb, RUN_BYTES if tp * pp * ep > 1 else 0)
-    parts["sync_buckets"] = int(cfg.sync.bucket_mb * 2**20 + gathered)
+    parts["sync_buckets"] = int(bucket_mb * 2**20 + gathered)
     # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU).
     # Measured on an H200 (0.6B model): with the actor's 10.0 GiB of state and vLLM asleep, 17.0 GiB
     # were in use: ~1 GiB for the actor's context and ~6 for the sleeping engine (CUDA graphs, cuBLAS
@@ -290,7 +290,7 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
         notes.append(f"vLLM's share (rollout.gpu_memory_utilization={r.gpu_memory_utilization}) does not even "
                      "hold its weights")
     plan = MemoryPlan(capacity=capacity, parts=parts, colocated=layout.colocated, notes=notes,
-                      reference_resident=cfg.algorithm.kl_coef > 0 and a.ref_on_device)
+                      reference_resident=reference and a.ref_on_device)
     # The cheapest handoff that fits: vLLM awake and nothing moved (the handoff is the sync alone),
     # then vLLM asleep with the fewest actor parts moved.
     choices = [(sleeps, o) for sleeps in (False, True)
@@ -321,14 +321,14 @@ def plan_memory(cfg, layout, size, capacity: int) -> MemoryPlan:
     return plan
 
 
-def checkpoint_bytes(cfg, size) -> int:
+def checkpoint_bytes(model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, size) -> int:
     """Bytes of one checkpoint of the whole run (every rank's shards together): the weights in the
     model's dtype, Adam's fp32 master weights (unless the model is fp32) and two moments in
     actor.optimizer_state_dtype, the reference policy's weights with a KL term. ``size``:
     models.registry.ModelSize."""
-    pb = _DTYPE_BYTES[cfg.model.dtype]
-    moment = 2 if cfg.actor.optimizer_state_dtype == "bfloat16" else 4
-    per_param = pb + (0 if pb == 4 else 4) + 2 * moment + (pb if cfg.algorithm.kl_coef > 0 else 0)
+    pb = _DTYPE_BYTES[model.dtype]
+    moment = 2 if actor.optimizer_state_dtype == "bfloat16" else 4
+    per_param = pb + (0 if pb == 4 else 4) + 2 * moment + (pb if algorithm.kl_coef > 0 else 0)
     return int(size.total * per_param)
 
 

@@ -53,6 +53,19 @@ def visible_devices_env(ids: list[int] | tuple[int, ...]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": v, "HIP_VISIBLE_DEVICES": v}
 
 
+def machine_gpus() -> int:
+    """GPUs of this machine (0 without one)."""
+    return torch.cuda.device_count() if has_gpu() else 0
+
+
+def device_used() -> int | None:
+    """Bytes in use on this process's GPU, every process included (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def gpus_present() -> bool:
     """A GPU driver is on this machine (NVIDIA or AMD), found without initialising CUDA/HIP: after
     that, hiding the GPUs from this process (``hide_gpus``) would be too late."""

@@ -35,3 +35,8 @@ def seal(folder: str | os.PathLike) -> None:
     for p in [root, *root.rglob("*")]:
         if not p.is_symlink():
             os.chmod(p, 0o700 if p.is_dir() else 0o600)
+
+
+def cache_dir() -> Path:
+    """Run-local cache root (scripts/setup_env.sh exports COLOCATE_RL_CACHE), created private."""
+    return private_dir(Path(os.environ.get("COLOCATE_RL_CACHE", ".cache")).resolve())

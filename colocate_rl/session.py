@@ -1,6 +1,7 @@
-"""What a run holds, built once (``start_session``): run folder, data, reward, the actor and the
-engines (placement), the handoff between them, the buffer of rollouts, the metrics log and the
-checkpoints. State only: the loop orders the phases, each component keeps its own policy."""
+"""What a run holds, built once (``start_session``) from the config and its plan: run folder, data,
+reward, the actor and the engines (placement), the handoff between them, the buffer of rollouts,
+the metrics log and the checkpoints. State only: the loop orders the phases, each component keeps
+its own policy."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ import torch
 from colocate_rl import config as C
 from colocate_rl.checkpoint import CheckpointStore, copies_on_disk, space_warning
 from colocate_rl.data import PromptDataset, PromptSampler, load_prompts
-from colocate_rl.handoff import Handoff
+from colocate_rl.handoff import HANDOFFS, Handoff
 from colocate_rl.memory import checkpoint_bytes
-from colocate_rl.models.registry import load_tokenizer, model_folder
 from colocate_rl.metrics import MetricsLog, plot, read, summary
+from colocate_rl.models.registry import load_tokenizer, model_folder, read_hf_config
 from colocate_rl.models.tiny import ensure_model
-from colocate_rl.placement import Workers, check_shared_folder, launch
-from colocate_rl.plan import RunPlan, resolve
+from colocate_rl.placement import check_shared_folder, launch
+from colocate_rl.plan import RunPlan
 from colocate_rl.private import private_dir, write_text
 from colocate_rl.rewards import RewardScorer
+from colocate_rl.rollout.base import Rollout
+from colocate_rl.rollout.buffer import Buffer
 from colocate_rl.trainer import NonfiniteGuard
 from colocate_rl.types import Sample
+from colocate_rl.workers import Actor, Workers
 
 
 @dataclass
@@ -41,7 +45,7 @@ class Session:
     scorer: RewardScorer
     workers: Workers
     handoff: Handoff
-    buffer: Any  # rollout.buffer.RolloutBuffer or ImmediateBuffer
+    buffer: Buffer
     log: MetricsLog
     checkpoints: CheckpointStore
     guard: NonfiniteGuard
@@ -49,11 +53,11 @@ class Session:
     started: float = field(default_factory=time.perf_counter)
 
     @property
-    def actor(self):
+    def actor(self) -> Actor:
         return self.workers.actor
 
     @property
-    def rollout(self):
+    def rollout(self) -> Rollout:
         return self.workers.rollout
 
     def finish(self) -> dict:
@@ -80,27 +84,29 @@ class Session:
         self.workers.shutdown()
 
 
-def start_session(cfg: C.Config) -> Session:
+def start_session(cfg: C.Config, plan: RunPlan) -> Session:
+    """The run's state, from its config and the plan resolved from it (plan.resolve, once)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run_dir = Path(cfg.logging.run_dir) / (cfg.logging.run_name or
-                                           f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}")
-    private_dir(run_dir)
+    run_dir = private_dir(Path(cfg.logging.run_dir) / plan.resolved.run_name)
     write_text(run_dir / "config.yaml", C.to_yaml(cfg))
-    plan, tokenizer, train, eval_sets = read_inputs(cfg)
+    tokenizer, train, eval_sets = read_inputs(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    check_shared_folder(cfg, checkpoints)  # every node of a cluster writes and reads it
-    if plan.size and (line := space_warning(checkpoints, checkpoint_bytes(cfg, plan.size), copies_on_disk(cfg))):
-        _say(line)
-    workers = launch(cfg, plan.memory.offload)  # colocated or disaggregated, by placement.mode
-    handoff = workers.handoff_class(cfg, workers, plan.memory, measure=workers.device_used)
+    check_shared_folder(cfg.placement, plan.resolved.launcher, checkpoints)  # every node of a cluster uses it
+    if plan.size:
+        each = checkpoint_bytes(cfg.model, cfg.actor, cfg.algorithm, plan.size)
+        if line := space_warning(checkpoints, each, copies_on_disk(cfg.checkpoint, cfg.steps)):
+            _say(line)
+    workers = launch(cfg.placement, plan.build())  # colocated or disaggregated, by placement.mode
+    handoff = HANDOFFS[plan.resolved.handoff](workers, plan.memory, plan.resolved, cfg.sync,
+                                              plan.scheduling.max_engine_restarts, measure=workers.device_used)
     log = MetricsLog(run_dir, C.to_dict(cfg), cfg.logging.wandb_project, cfg.logging.wandb_mode, run_dir.name)
     s = Session(
         cfg=cfg, plan=plan, run_dir=run_dir, tokenizer=tokenizer,
         sampler=PromptSampler(train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed),
         train_samples=list(train), eval_sets=eval_sets, scorer=scorer, workers=workers, handoff=handoff,
-        buffer=workers.make_buffer(handoff), log=log,
+        buffer=workers.make_buffer(handoff.on_rollout), log=log,
         checkpoints=CheckpointStore(checkpoints, cfg.checkpoint.keep, log=_say),
         guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row),
     )
@@ -108,10 +114,9 @@ def start_session(cfg: C.Config) -> Session:
     return s
 
 
-def read_inputs(cfg: C.Config) -> tuple[RunPlan, Any, PromptDataset, dict[str, list[Sample]]]:
-    """What a run reads before it starts anything: (plan, tokenizer, training prompts, eval sets).
-    Each is checked as it is read; a bad one is a ConfigError naming the field, file or row."""
-    plan = resolve(cfg)  # before anything heavy: layout, names, the model's constraints, memory
+def read_inputs(cfg: C.Config) -> tuple[Any, PromptDataset, dict[str, list[Sample]]]:
+    """What a run reads before it starts anything: (tokenizer, training prompts, eval sets). Each is
+    checked as it is read; a bad one is a ConfigError naming the field, file or row."""
     if cfg.model.synthesize:
         ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
     # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
@@ -127,7 +132,7 @@ def read_inputs(cfg: C.Config) -> tuple[RunPlan, Any, PromptDataset, dict[str, l
     eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
                                          split="eval" if name.startswith("arithmetic") else cfg.eval.split))
                  for name in cfg.eval.sets}
-    return plan, tokenizer, train, eval_sets
+    return tokenizer, train, eval_sets
 
 
 def check_model_folder(path: str, weights: bool = True) -> dict:
@@ -137,7 +142,7 @@ def check_model_folder(path: str, weights: bool = True) -> dict:
     p = Path(path)
     if weights and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
         raise C.ConfigError(f"model.path={path} has no weights (no *.safetensors files)")
-    hf_config = C.read_model_config(p)
+    hf_config = read_hf_config(p)
     if not hf_config.get("architectures"):
         # vLLM picks its model class by this list; without it, it took a Qwen3 folder for an
         # embedding model and failed far from the cause.

@@ -25,11 +25,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from colocate_rl.cli import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE
 from colocate_rl.config import Config
 from colocate_rl.metrics import read
 from colocate_rl.private import opener, private_dir
 
+# Exit codes of a run that its supervisor does not restart after: restarting cannot help. The
+# command line (cli.main) ends with them.
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 FINAL = {0: "finished", EXIT_CONFIG: "bad input", EXIT_NONFINITE: "the NaN stop", EXIT_INTERRUPTED: "Ctrl-C"}
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -93,9 +95,10 @@ class Forwarder:
             signal.signal(s, previous)
 
 
-def supervise(cfg: Config, argv: list[str]) -> int:
-    """Returns the exit code of the last attempt (128 + the signal's number when it was killed)."""
-    name = cfg.logging.run_name or f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+def supervise(cfg: Config, name: str, argv: list[str]) -> int:
+    """Runs the recipe command ``argv`` as the run ``name`` (plan.run_name: every attempt writes into
+    one run folder) until it finishes or stops for good. Returns the exit code of the last attempt
+    (128 + the signal's number when it was killed)."""
     run_dir = private_dir(Path(cfg.logging.run_dir) / name)
     log = run_dir / "supervisor.log"
     base = [sys.executable, sys.argv[0], *argv, f"logging.run_name={name}"]

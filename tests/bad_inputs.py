@@ -8,8 +8,8 @@ A row's first cell is command-line overrides in backticks, then what a file they
     whose config.json has `"F": V`     ... is the tiny test model's with these fields
     whose folder lacks `A`, `B`        the model folder without these files
 
-and, last, ", given to `RolloutEngine(cfg)`" for a row that the engine's constructor meets (the
-Python API) rather than a run. Every row runs in a working folder holding ``model``, a copy of the
+and, last, ", given to `RolloutEngine`" for a row that the engine's constructor meets (the Python
+API) rather than a run. Every row runs in a working folder holding ``model``, a copy of the
 tiny test model; the overrides below come first, so that a row's own override wins.
 """
 
@@ -29,7 +29,7 @@ RECIPE = ROOT / "recipes" / "qwen3_grpo.py"
 BASE = ["model.path=model", "model.synthesize=''", "logging.run_dir=runs", "data.arithmetic.num_train=8",
         "eval.sets=[]"]
 GOOD_ROW = '{"prompt": "1+1=", "label": "2"}'
-ENGINE = ", given to `RolloutEngine(cfg)`"
+ENGINE = ", given to `RolloutEngine`"
 
 
 @dataclass(frozen=True)
@@ -96,18 +96,20 @@ def build(row: Row, folder: Path, tiny_model: Path) -> None:
 
 def first_error(row: Row):
     """What the command line does before it starts anything (load, plan, read the model, tokenizer
-    and data), or the engine's constructor: raises the row's ConfigError; returns what was read
-    (session.read_inputs) if nothing stops."""
+    and data), or the engine's constructor: raises the row's ConfigError; returns the plan and what
+    was read (session.read_inputs) if nothing stops."""
     from colocate_rl.cli import preset_config
     from colocate_rl.config import load
+    from colocate_rl.plan import resolve
 
     cfg = load(preset_config(RECIPE.with_suffix(".yaml"), "tiny", recipe="qwen3_grpo"),
                overrides=BASE + row.overrides)
+    plan = resolve(cfg)
     if row.engine:
         from colocate_rl.rollout.engine import RolloutEngine
 
-        RolloutEngine(cfg).shutdown()
+        RolloutEngine(cfg.model, plan.engine, plan.sampling, plan.resolved).shutdown()
         return None
     from colocate_rl.session import read_inputs
 
-    return read_inputs(cfg)
+    return (plan, *read_inputs(cfg))

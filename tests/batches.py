@@ -1,8 +1,10 @@
 """Synthetic rollout batches for the actor tests: random tokens, right-padded, two samples per
 prompt, advantages +1 / -1; and one GRPO step through the actor on such a batch (importable from
-every test folder: tests/ holds the root conftest)."""
+every test folder: tests/ holds the root conftest), and the actor a run of a config builds."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -31,16 +33,58 @@ def synthetic_batch(lens: list[int], prompt_len: int = 3, vocab: int = 320, seed
     )
 
 
+def _on_gpus(cfg) -> bool:
+    """The run is on this machine's GPUs (placement.gpus_per_node -1 or more, and it has some)."""
+    from colocate_rl import platform
+
+    return cfg.placement.gpus_per_node != 0 and platform.machine_gpus() > 0
+
+
+def actor_plan(cfg, gpu_run: bool = False):
+    """The plan of a run of ``cfg`` whose actor is built here, as one rank of this process's world
+    (WORLD_SIZE ranks under run_on_ranks, else one; a GPU each where there are GPUs); what the rollout
+    side would refuse is only listed (strict=False), and prompts are cut to fit the tiny models' 512
+    positions (the actor never reads data.max_prompt_tokens). ``gpu_run``: the run is planned on GPUs
+    even here, so that what the plan keeps to GPU runs (routing replay, the FP8 engine's emulation)
+    builds its actor on this CPU, with the CPU's chunked logprobs."""
+    from colocate_rl.plan import resolve
+
+    a, world = cfg.actor, int(os.environ.get("WORLD_SIZE", "1"))
+    a.dp = a.dp or world // (a.tp * a.pp)
+    cfg.data.max_prompt_tokens = min(cfg.data.max_prompt_tokens, 128)
+    if _on_gpus(cfg):
+        cfg.placement.gpus_per_node = world
+    elif gpu_run:
+        cfg.placement.gpus_per_node = world
+        if a.logprob_kernel == "auto":
+            a.logprob_kernel = "chunked"
+    return resolve(cfg, strict=False)
+
+
+def build_actor(cfg, gpu_run: bool = False):
+    """The actor a run of ``cfg`` builds, here (``actor_plan``)."""
+    return actor_plan(cfg, gpu_run).build().make_actor()
+
+
+def build_engine(cfg, **kwargs):
+    """The engine a run of ``cfg`` builds, here (on the GPUs of one engine where there are GPUs);
+    ``kwargs`` go to its constructor (RolloutEngine's, with rollout.backend=vllm)."""
+    from colocate_rl.plan import resolve
+
+    if _on_gpus(cfg):
+        cfg.placement.gpus_per_node = cfg.rollout.tensor_parallel_size
+    return resolve(cfg, strict=False).build().make_rollout(**kwargs)
+
+
 def make_actor(path: str, overrides: dict, dtype: str = "float32"):
     """An actor on the model at ``path``: lr 1e-3, micro-batches of 2, ``overrides`` on cfg.actor."""
     from colocate_rl.config import Config, ModelConfig
-    from colocate_rl.trainer import Actor
 
     cfg = Config(model=ModelConfig(path=path, dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
     for k, v in overrides.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def step_view(actor, lens: list[int]) -> dict:

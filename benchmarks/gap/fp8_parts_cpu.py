@@ -62,7 +62,7 @@ def main() -> None:
     from colocate_rl import platform
     from colocate_rl.models.build import build_and_load
     from colocate_rl.models.deepseek_v4.config import Hparams
-    from colocate_rl.models.deepseek_v4.fp8_emulation import install
+    from colocate_rl.models.deepseek_v4.model import emulate_fp8_engine as install
     from colocate_rl.models.deepseek_v4.synth import write_model
     from colocate_rl.models.tiny import shape_config
     from colocate_rl.trainer.distributed import init_model_parallel, init_process_group

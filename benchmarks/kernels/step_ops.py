@@ -39,14 +39,15 @@ def measure(path: Path, a, setting: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from colocate_rl.config import Config, ModelConfig
-    from colocate_rl.trainer import Actor
+    from colocate_rl.plan import resolve
 
     cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-6, a.micro_batch
     key, value = setting.split("=", 1)
     section, name = key.split(".")
     setattr(getattr(cfg, section), name, yaml.safe_load(value))  # "false" -> False, "fused" -> "fused"
-    actor = Actor(cfg)
+    cfg.data.max_prompt_tokens = cfg.rollout.max_response_tokens = a.seq  # the plan holds them in the model's context
+    actor = resolve(cfg).build().make_actor()
     batch = make_batch(a)
     batch.rollout_logprobs = torch.where(batch.loss_mask, actor.compute_logprobs(batch), 0)
     actor.train_step(batch)  # warm-up

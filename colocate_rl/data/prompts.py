@@ -24,7 +24,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import datasets
 
-from colocate_rl.config import ConfigError, DataConfig, cache_dir, error_line, first_line
+from colocate_rl.config import ConfigError, DataConfig
+from colocate_rl.errors import error_line, first_line
+from colocate_rl.private import cache_dir
 from colocate_rl.data.arithmetic import arithmetic_problems
 from colocate_rl.types import Sample
 

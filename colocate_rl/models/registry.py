@@ -7,11 +7,13 @@ those functions and calling ``register`` in that module, then listing the module
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from colocate_rl.config import ConfigError, error_line, read_model_config
+from colocate_rl.config import ConfigError
+from colocate_rl.errors import error_line
 
 if TYPE_CHECKING:
     from colocate_rl.models.mapping import ParamSpec
@@ -93,7 +95,7 @@ class Family:
     # does (actor.emulate_rollout_fp8); returns a function that undoes it. None: not offered.
     fp8_emulation: Optional[Callable[[Any, dict], Callable[[], None]]] = None
     # Whether actor.fp32_residual can keep this family's residual stream in fp32 (Megatron's
-    # fp32_residual_connection), and so whether it is on when unset (config.resolve_fp32_residual).
+    # fp32_residual_connection), and so whether it is on when unset (plan.kernels).
     fp32_residual: bool = True
     # Whether the layer spec's MoE experts are models/grouped_experts.py's (actor.expert_kernel).
     grouped_experts: bool = False
@@ -231,10 +233,33 @@ def model_folder(path: str | Path, weights: bool = True) -> str:
                           f"({error_line(e)})") from None
 
 
-def read_hf_config(path: str | Path) -> dict:
-    """config.json of an HF model folder as a dict (config.HFConfig: a field it lacks, once read,
-    is a ConfigError naming the file and the field)."""
-    return read_model_config(path)
+class HFConfig(dict):
+    """A model's config.json as a dict that names its file: reading a field it lacks raises a
+    ConfigError naming the file and the field, where a bare KeyError would name neither."""
+
+    def __init__(self, fields: dict, source: str):
+        super().__init__(fields)
+        self.source = source
+
+    def __missing__(self, key: str):
+        raise ConfigError(f"{self.source} has no field '{key}', which the model's family reads")
+
+
+def read_hf_config(folder: str | Path) -> HFConfig:
+    """``folder``/config.json, or a ConfigError naming the file: missing, not JSON (and where), or
+    not a JSON object."""
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model.path={folder} has no config.json")
+    try:
+        fields = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} cannot be read ({error_line(e)})") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{p} holds a JSON {type(fields).__name__}, not an object of fields")
+    return HFConfig(fields, str(p))
 
 
 # Files holding a tokenizer's vocabulary. From a folder with none of them transformers builds an

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from colocate_rl.config import read_model_config
+from colocate_rl.models.registry import read_hf_config
 from colocate_rl.private import private_dir, seal
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -138,7 +138,7 @@ def known_config(path: str) -> dict:
     """The HF config of a local model folder, of a shape named in SHAPES, or of a published model in
     HUB_SHAPES; {} when none is known (a hub id resolved later by the engines)."""
     if (Path(path) / "config.json").is_file():
-        return read_model_config(path)
+        return read_hf_config(path)
     shape = HUB_SHAPES.get(path, path)
     if shape == "deepseek-v4-flash":
         from colocate_rl.models.deepseek_v4.synth import FLASH

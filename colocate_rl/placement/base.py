@@ -1,107 +1,137 @@
-"""What a placement gives the run, and the placements by name.
+"""The placements by mode, and the layout maths they share.
 
 A placement starts the actor ranks and the engines somewhere (this process, Ray actors sharing
-GPUs, Ray placement groups of their own) and hands back a ``Workers``: the same handles whatever
-the layout, so the loop and the handoff never ask where things run. Adding a placement is one
-module with a ``launch(cfg, offload) -> Workers`` plus one line in ``PLACEMENTS``.
+GPUs, Ray placement groups of their own) and hands back a ``workers.Workers``: the same handles
+whatever the layout, so the loop and the handoff never ask where things run. Each placement is a
+module holding a ``PLACEMENT = Placement(...)`` record (its mode, its launchers, its layout maths,
+its rules and the handoff it needs) plus one line in ``PLACEMENTS``; the plan reads the mode and
+launcher choices from here, so a new placement edits no other shared file.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Callable
 
-from colocate_rl.config import Config, layout
-from colocate_rl.weight_sync.ipc import SyncStats
-
-
-class Workers(Protocol):
-    actor: Any  # trainer.Actor's methods: in this process, or every Ray rank at once (ActorGroup)
-    rollout: Any  # rollout.base.Rollout: one engine, or a Router over several
-    handoff_class: type  # handoff.ColocatedHandoff or handoff.DisaggregatedHandoff
-
-    def sync(self, bucket_mb: float) -> SyncStats:
-        """The actor's current weights → every engine."""
-
-    def verify(self) -> int:
-        """Engine checksums equal the actor's (raises WeightMismatch naming the tensor); returns how
-        many tensors were compared (never 0)."""
-
-    def restart_rollout(self) -> None:
-        """A new engine in place of a dead one; it holds the model folder's weights until the next sync."""
-
-    def drain(self) -> None:
-        """Waits until no generation is in flight (a broadcast must not race one)."""
-
-    def make_buffer(self, handoff: Any) -> Any:
-        """Where the loop takes each step's batch from (rollout.buffer: request / get / drain / close)."""
-
-    def device_used(self) -> Optional[int]:
-        """Bytes in use on the first GPU, every process included (None on CPU)."""
-
-    def shutdown(self) -> None: ...
+from colocate_rl import platform
+from colocate_rl.config import MAX_PROCESSES, ActorConfig, ConfigError, PlacementConfig, RolloutConfig
+from colocate_rl.resolved import Layout
+from colocate_rl.workers import Build, Workers
 
 
-# (placement.mode, launcher) -> "module:function" returning Workers.
-PLACEMENTS: dict[tuple[str, str], str] = {
-    ("colocated", "local"): "colocate_rl.placement.local:launch",
-    ("colocated", "ray"): "colocate_rl.placement.ray_colocated:launch",
-    ("disaggregated", "ray"): "colocate_rl.placement.disaggregated:launch",
+@dataclass(frozen=True)
+class Placement:
+    mode: str  # placement.mode
+    launchers: dict[str, str]  # placement.launcher -> "module:function" of (PlacementConfig, Build) -> Workers
+    handoff: str  # the handoff its layout needs (handoff.HANDOFFS): colocated | disaggregated
+    # (placement, actor, rollout sections, GPUs per node) -> Layout, or ConfigError naming the field
+    layout: Callable[[PlacementConfig, ActorConfig, RolloutConfig, int], Layout]
+    # (placement, rollout sections, GPUs per node): the mode's own rules, checked before its layout
+    check: Callable[[PlacementConfig, RolloutConfig, int], None]
+    # (placement section, layout) -> the launcher placement.launcher=auto stands for
+    auto_launcher: Callable[[PlacementConfig, Layout], str]
+    # (placement section, layout, launcher): a launcher's own limits, checked once it is chosen
+    check_launcher: Callable[[PlacementConfig, Layout, str], None] = lambda pl, lay, launcher: None
+
+
+# placement.mode -> "module:PLACEMENT"; each module is imported when asked (no Ray until a launch).
+PLACEMENTS: dict[str, str] = {
+    "colocated": "colocate_rl.placement.colocated:PLACEMENT",
+    "disaggregated": "colocate_rl.placement.disaggregated:PLACEMENT",
 }
 
 
-def immediate_buffer(workers: Workers, handoff: Any):
-    """The colocated placements' buffer: it generates when the step asks, through the handoff (which
-    replaces a dead engine); ``workers.rollout`` is looked up at each call, as a restart replaces it."""
-    from colocate_rl.rollout.buffer import ImmediateBuffer
-
-    def generate(samples, **kw):
-        return handoff.on_rollout("generate", lambda: workers.rollout.generate(samples, **kw))
-
-    return ImmediateBuffer(generate)
+def placement(mode: str) -> Placement:
+    module, _, name = PLACEMENTS[mode].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def engine_quantization(rollout: Any) -> dict[str, str]:
-    """{weight: quantized layout} the engine holds (read from its own tensor names and shapes;
-    weight_sync.quantize.sync_plan): what a sync must quantize before sending. {} for an engine
-    that holds everything as it is trained, or one that cannot list its tensors."""
-    from colocate_rl.weight_sync.quantize import sync_plan
-
-    shapes = getattr(rollout, "weight_shapes", None)
-    return sync_plan(shapes()) if shapes else {}
+def launchers() -> list[str]:
+    """placement.launcher's choices: auto and every launcher of every placement."""
+    return ["auto", *dict.fromkeys(k for mode in PLACEMENTS for k in placement(mode).launchers)]
 
 
-def launcher(cfg: Config) -> str:
-    """local for one colocated process (Ray's start-up would dominate a tiny CPU run), else ray."""
-    if cfg.placement.mode != "colocated":
-        return "ray"
-    if cfg.placement.launcher != "auto":
-        return cfg.placement.launcher
-    return "local" if layout(cfg).actor_gpus == 1 and cfg.placement.nnodes == 1 else "ray"
+def gpus_per_node(pl: PlacementConfig) -> int:
+    """placement.gpus_per_node with -1 (this machine's GPUs) resolved."""
+    return platform.machine_gpus() if pl.gpus_per_node < 0 else pl.gpus_per_node
 
 
-def check_shared_folder(cfg: Config, folder: Path) -> None:
+def layout(pl: PlacementConfig, actor: ActorConfig, rollout: RolloutConfig) -> Layout:
+    """The layout of placement.mode: its rules, then its maths (ConfigError naming the field)."""
+    p, gpn = placement(pl.mode), gpus_per_node(pl)
+    p.check(pl, rollout, gpn)
+    return p.layout(pl, actor, rollout, gpn)
+
+
+def launcher(pl: PlacementConfig, lay: Layout) -> str:
+    """placement.launcher with auto resolved; ConfigError when the mode has no such launcher or the
+    launcher cannot run this layout."""
+    p = placement(pl.mode)
+    chosen = p.auto_launcher(pl, lay) if pl.launcher == "auto" else pl.launcher
+    if chosen not in p.launchers:
+        raise ConfigError(f"placement.launcher={pl.launcher} does not run placement.mode={pl.mode}: set "
+                          f"placement.launcher to auto or {' or '.join(p.launchers)}")
+    p.check_launcher(pl, lay, chosen)
+    return chosen
+
+
+def launch(pl: PlacementConfig, build: Build) -> Workers:
+    """The run's workers, started by the resolved launcher of placement.mode. A colocated placement
+    builds the actor, moves off the parts the plan offloads (``build.resolved.offload``), then starts
+    the engines, so only what must move ever moves."""
+    module, _, fn = placement(pl.mode).launchers[build.resolved.launcher].partition(":")
+    return getattr(importlib.import_module(module), fn)(pl, build)
+
+
+def check_shared_folder(pl: PlacementConfig, launcher: str, folder: Path) -> None:
     """On a Ray cluster, every node sees ``folder`` (the checkpoint folder: each actor rank writes its
     shards from its own node, and a resumed run reads them wherever it lands). Checked before
     anything starts; a Ray instance this run starts itself is this machine alone, nothing to check.
     Raises placement.nodes.FolderNotShared (a ConfigError) naming the node that cannot see it."""
-    if launcher(cfg) == "local":
+    if launcher != "ray":
         return
-    import ray
+    from colocate_rl.placement import ray_tools
 
-    if not (cfg.placement.ray_address or ray.is_initialized()):
-        return
-    from colocate_rl.placement.nodes import check_shared_folder as check
-    from colocate_rl.placement.ray_colocated import start_ray
-
-    start_ray(cfg)
-    check(folder)
+    ray_tools.check_shared_folder(pl, folder)
 
 
-def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> Workers:
-    """The run's workers. ``offload``: the actor parts the memory plan keeps off the device while
-    vLLM runs (memory.MemoryPlan.offload; None: every part); a colocated placement builds the actor,
-    moves those out, then starts the engines, so only what must move ever moves."""
-    module, _, fn = PLACEMENTS[(cfg.placement.mode, launcher(cfg))].partition(":")
-    return getattr(importlib.import_module(module), fn)(cfg, offload)
+# ---------------------------------------------------------------- the layout maths placements share
+
+
+def cpu_actor_ranks(pl: PlacementConfig, a: ActorConfig, actor_nodes: int) -> int:
+    """On CPU the actor's ranks are processes: tp x pp x dp (dp = 0: one tp x pp group per actor
+    node), the same number on each actor node, at most MAX_PROCESSES per node."""
+    actor = a.tp * a.pp * (a.dp or actor_nodes)
+    if actor % actor_nodes:
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks do not split "
+                          f"evenly over the {actor_nodes} actor node(s) (placement.nnodes={pl.nnodes}; on CPU "
+                          "each node holds the same number of ranks)")
+    if actor // actor_nodes > MAX_PROCESSES:
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {actor} actor ranks, "
+                          f"{actor // actor_nodes} processes per node on the CPU: at most {MAX_PROCESSES}")
+    return actor
+
+
+def data_parallel(pl: PlacementConfig, a: ActorConfig, gpn: int, actor: int) -> int:
+    """actor.dp over ``actor`` ranks: tp x pp divides them, a set actor.dp matches, ep divides tp x dp."""
+    if actor % (a.tp * a.pp):
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} does not divide the {actor} actor GPUs "
+                          f"(placement: {pl.mode}, {pl.nnodes} node(s) x {gpn})")
+    dp = actor // (a.tp * a.pp)
+    if a.dp and a.dp != dp:
+        raise ConfigError(f"actor.tp={a.tp} x actor.pp={a.pp} x actor.dp={a.dp} = {a.tp * a.pp * a.dp} "
+                          f"does not match the {actor} actor GPUs")
+    if (a.tp * dp) % a.ep:
+        raise ConfigError(f"actor.ep={a.ep} must divide actor.tp x dp = {a.tp * dp}")
+    return dp
+
+
+def check_engine_tp(tp: int, gpn: int, whole_nodes: bool) -> None:
+    """An engine's TP group stays on one node (and, ``whole_nodes``, splits every node's GPUs evenly)."""
+    if tp > gpn:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} exceeds placement.gpus_per_node={gpn}: "
+                          "an engine's TP group stays on one node")
+    if whole_nodes and gpn % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpn} GPUs of a node")

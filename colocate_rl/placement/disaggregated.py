@@ -1,54 +1,70 @@
-"""Disaggregated on Ray: the actor and the rollout on separate placement groups, weights broadcast.
+"""placement.mode=disaggregated: the actor and the rollout on GPUs of their own. Its layout maths,
+rules and pools; it runs on Ray (``ray_disaggregated``).
 
 Two pools, sized from ``placement`` (``pools``): the actor pool has one bundle per actor GPU (one
 Megatron rank each); the rollout pool one bundle per engine holding all of its TP GPUs, so one
 Ray actor owns the engine and vLLM starts its TP workers on the bundle's GPUs. DeepSeek-V4's
 published layout — 2 actor nodes (TP4 × PP4 × EP4) + 1 rollout node (TP8, FP8) of 8 GPUs — is
 ``nnodes=3 gpus_per_node=8 actor_nodes=2 rollout_nodes=1 rollout.tensor_parallel_size=8``: 16
-actor bundles and one rollout bundle of 8 GPUs. On CPU (``gpus_per_node=0``) bundles are CPUs.
-
-On several nodes each actor node and each rollout node gets a placement group of its own
-(placement/nodes.py: STRICT_PACK, each group on a node no other group of the run holds), so the
-actor and the rollout never share a node; on one node the two pools are one placement group each
-(PACK). Ray is told not to set visible devices (ray_colocated.NOSET); each Ray actor sets
-CUDA_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES together to the GPUs Ray assigned it
-(``ray.get_gpu_ids``), before torch or vLLM start. The actor's torch.distributed rendezvous and the
-broadcast group's store are on actor rank 0's node (its address, or 127.0.0.1 when every member of the
-group runs there; a port held there until the store serves on it); NCCL/gloo pick
-the interface named by NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (placement.nodes.network_env).
-
-Weights travel over one broadcast group (weight_sync.broadcast): actor rank 0, which holds every
-full HF tensor after the export's gathers, is rank 0 of the group; engine e's worker w is rank
-1 + (workers of engines before e) + w. Every actor rank walks the export (its gathers are
-collective), only rank 0 sends. When the engines' checkpoint is quantized, rank 0 quantizes the
-weights it holds quantized, each in its layout (weight_sync.quantize.sync_plan), before packing.
-
-An engine that dies is replaced in its bundle and re-synced over a group of its own (actor rank
-0 + its workers) while the other engines keep generating; the main group is formed again before
-the next sync (a process group cannot swap a member).
+actor bundles and one rollout bundle of 8 GPUs. On one node ``placement.actor_gpus`` splits it; on
+CPU (``gpus_per_node=0``) bundles are CPUs.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-import signal
-import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from colocate_rl.config import ActorConfig, ConfigError, PlacementConfig, RolloutConfig
+from colocate_rl.placement.base import Placement, check_engine_tp, cpu_actor_ranks, data_parallel
+from colocate_rl.resolved import Layout
 
-from colocate_rl import platform
-from colocate_rl.config import Config, layout
-from colocate_rl.handoff import DisaggregatedHandoff
-from colocate_rl.placement.nodes import master_addr, network_env, node_groups, wait_ready
-from colocate_rl.placement.ray_colocated import ActorGroup, _Host, rank_names, start_ray, stop_engines
-from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
-from colocate_rl.rollout.router import Router
-from colocate_rl.weight_sync.ipc import SyncStats
+
+def check(pl: PlacementConfig, rollout: RolloutConfig, gpn: int) -> None:
+    if pl.nnodes > 1 and (pl.actor_nodes < 1 or pl.rollout_nodes < 1):
+        raise ConfigError(f"placement.actor_nodes={pl.actor_nodes} and placement.rollout_nodes={pl.rollout_nodes} "
+                          f"must both be >= 1 on placement.nnodes={pl.nnodes} nodes")
+    if pl.nnodes > 1 and pl.actor_nodes + pl.rollout_nodes != pl.nnodes:
+        raise ConfigError(
+            f"placement.actor_nodes={pl.actor_nodes} + placement.rollout_nodes={pl.rollout_nodes} "
+            f"must equal placement.nnodes={pl.nnodes}"
+        )
+    if pl.nnodes == 1 and gpn > 0 and not 0 < pl.actor_gpus < gpn:
+        raise ConfigError(
+            f"placement.actor_gpus={pl.actor_gpus} must leave GPUs for rollout on one node of "
+            f"{gpn} (0 < actor_gpus < gpus_per_node)"
+        )
+
+
+def layout(pl: PlacementConfig, a: ActorConfig, rollout: RolloutConfig, gpn: int) -> Layout:
+    # Several nodes: each pool on nodes of its own; one node holds both pools.
+    actor_nodes, rollout_nodes = (pl.actor_nodes, pl.rollout_nodes) if pl.nnodes > 1 else (1, 1)
+    if not gpn:
+        actor, gpus = cpu_actor_ranks(pl, a, actor_nodes), 0
+    elif pl.nnodes > 1:
+        actor, gpus = actor_nodes * gpn, rollout_nodes * gpn
+    else:
+        actor, gpus = pl.actor_gpus, gpn - pl.actor_gpus
+    dp = data_parallel(pl, a, gpn, actor)
+    tp, asked = rollout.tensor_parallel_size, rollout.num_engines
+    engines = asked or 1
+    if gpn:
+        check_engine_tp(tp, gpn, whole_nodes=rollout_nodes > 1)
+        if not asked:
+            engines = max(gpus // tp, 1)
+            if engines * tp != gpus:
+                raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the {gpus} rollout GPUs")
+        elif engines * tp != gpus:
+            raise ConfigError(f"rollout.num_engines={engines} x rollout.tensor_parallel_size={tp} must equal the "
+                              f"{gpus} rollout GPUs (set rollout.num_engines={max(gpus // tp, 1)})")
+    elif rollout_nodes > 1:
+        engines = asked or rollout_nodes
+        if engines % rollout_nodes:
+            raise ConfigError(f"rollout.num_engines={engines} does not split evenly over placement.rollout_nodes="
+                              f"{rollout_nodes} (on CPU each rollout node holds the same number of engines)")
+    return Layout(gpus_per_node=gpn, nnodes=pl.nnodes, colocated=False, actor_gpus=actor, tp=a.tp, pp=a.pp, ep=a.ep,
+                  dp=dp, rollout_gpus=gpus, engines=engines, engine_tp=tp, actor_nodes=actor_nodes,
+                  rollout_nodes=rollout_nodes, ranks_per_node=actor // actor_nodes,
+                  engines_per_node=engines // rollout_nodes)
 
 
 @dataclass(frozen=True)
@@ -65,10 +81,9 @@ class Pools:
         return [bundles[k * n:(k + 1) * n] for k in range(nodes)]
 
 
-def pools(cfg: Config) -> Pools:
-    """The two pools' bundles (config.layout has checked that the rollout GPUs split into
+def pools(lay: Layout) -> Pools:
+    """The two pools' bundles (the layout has checked that the rollout GPUs split into
     rollout.num_engines engines of rollout.tensor_parallel_size GPUs)."""
-    lay = layout(cfg)
     nodes = dict(actor_nodes=lay.actor_nodes, rollout_nodes=lay.rollout_nodes, one_node=lay.nnodes == 1)
     if not lay.on_gpu:
         return Pools([{"CPU": 1.0}] * lay.actor_gpus, [{"CPU": 1.0}] * lay.engines, 0, **nodes)
@@ -76,287 +91,7 @@ def pools(cfg: Config) -> Pools:
                  lay.engine_tp, **nodes)
 
 
-def _pin_assigned_gpus() -> dict[str, str]:
-    """CUDA_/HIP_VISIBLE_DEVICES = the GPUs Ray assigned this actor (Ray leaves them unset: NOSET)."""
-    ids = [int(i) for i in ray.get_gpu_ids()]
-    env = platform.visible_devices_env(ids) if ids else {}
-    os.environ.update(env)
-    return env
-
-
-@ray.remote
-class TrainerRank(_Host):
-    """One Megatron rank of the actor pool. Placed first (``where``), built second (``start``): its
-    environment names rank 0's node, known only once every rank is placed."""
-
-    def __init__(self, authkey: bytes):
-        _pin_assigned_gpus()
-        super().__init__({}, authkey)
-        self.group = None
-
-    def start(self, cfg: Config, env: dict[str, str]) -> None:
-        os.environ.update(env)  # before torch.distributed or NCCL start
-        from colocate_rl.trainer import Actor
-
-        self.obj = Actor(cfg)  # its own GPUs: nothing is offloaded between phases
-
-    def describe(self) -> dict[str, Any]:
-        import torch.distributed as dist
-
-        out = super().describe()
-        out.update(device=str(platform.device()), dist_rank=dist.get_rank() if dist.is_initialized() else None,
-                   dist_world=dist.get_world_size() if dist.is_initialized() else None,
-                   broadcast=None if self.group is None else (self.group.spec.master_addr, self.group.spec.master_port,
-                                                              self.group.spec.name))
-        return out
-
-    def join_broadcast(self, spec: dict[str, Any]) -> None:
-        """Rank 0 only: forms a new broadcast group as its sender (blocks until every member joined)."""
-        from colocate_rl.weight_sync.broadcast import BroadcastGroup, GroupSpec
-
-        self.leave_broadcast()
-        self.group = BroadcastGroup(GroupSpec(**spec), 0, platform.device())
-
-    def leave_broadcast(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-    def broadcast_weights(self, bucket_mb: float, fp8: dict[str, str]) -> SyncStats:
-        """Every rank walks the export (collective gathers); rank 0 packs and broadcasts."""
-        from colocate_rl.weight_sync.buckets import pack
-        from colocate_rl.weight_sync.quantize import quantize_named
-
-        weights = self.obj.export_hf_weights()
-        if self.group is None:
-            for _ in weights:
-                pass
-            return SyncStats()
-        return self.group.send(pack(quantize_named(weights, fp8), bucket_mb))
-
-
-
-@ray.remote
-class EngineHost(_Host):
-    """One vLLM engine (all its TP workers) of the rollout pool."""
-
-    def __init__(self, cfg: Config, env: dict[str, str], authkey: bytes):
-        _pin_assigned_gpus()
-        super().__init__(env, authkey)
-        from colocate_rl.rollout.base import make_rollout
-
-        self.obj = make_rollout(cfg)
-
-    def num_workers(self) -> int:
-        return self.obj.num_workers
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "uuids": list(getattr(self.obj, "device_uuids", []))}
-
-
-def is_lost(exc: BaseException) -> bool:
-    """The engine is gone: its Ray actor died, or vLLM's engine core died under it (EngineDeadError,
-    re-raised through the Ray actor)."""
-    text = f"{type(exc).__name__} {exc}"
-    return isinstance(exc, ray.exceptions.RayActorError) or "EngineDeadError" in text or "EngineDied" in text
-
-
-@dataclass
-class RayDisaggregated:
-    cfg: Config
-    actor: ActorGroup
-    hosts: list  # EngineHost per engine
-    pgs: list  # the placement groups (actor pool's first)
-    slots: list  # per engine: (placement group, bundle index) it runs in
-    authkey: bytes
-    layout: Pools
-    fp8: dict[str, str] = field(default_factory=dict)  # weight -> quantized format the engines hold it in
-    rollout: Router | None = None
-    buffer: RolloutBuffer | None = None
-    version: int = 0  # weights version the engines hold (syncs so far)
-    members: list | None = None  # engines of the current broadcast group
-    pids: list = field(default_factory=list)  # each engine's process (its Ray actor)
-    restarts: int = 0
-    handoff_class = DisaggregatedHandoff
-
-    # ------------------------------------------------------------ engines
-
-    def _start_engine(self, i: int):
-        env = {**network_env(), "OMP_NUM_THREADS": "1"}
-        opts: dict[str, Any] = dict(num_gpus=self.layout.engine_gpus) if self.layout.engine_gpus else dict(num_cpus=1)
-        pg, index = self.slots[i]
-        return EngineHost.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index), **opts,
-        ).remote(self.cfg, env, self.authkey)
-
-    def _submit(self, i: int, samples, kwargs):
-        return self.hosts[i].call.remote("generate", samples, **kwargs).future()
-
-    def restart(self, i: int) -> None:
-        """Replaces engine i in its bundle and gives it the actor's current weights."""
-        ray.kill(self.hosts[i], no_restart=True)
-        self.hosts[i] = self._start_engine(i)
-        self.pids[i] = ray.get(self.hosts[i].pid.remote())  # started
-        self.restarts += 1
-        self._broadcast([i])
-
-    # ------------------------------------------------------------ weights
-
-    def _form_group(self, engines: list[int]) -> None:
-        """A new broadcast group: actor rank 0 + every worker of ``engines``."""
-        workers = ray.get([self.hosts[e].num_workers.remote() for e in engines])
-        rank0 = self.actor.ranks[0]
-        places = ray.get([rank0.where.remote()] + [self.hosts[e].where.remote() for e in engines])
-        from colocate_rl.weight_sync.broadcast import backend_for
-
-        # The group's store is served by actor rank 0, on its node (loopback when every member is there), on a
-        # port it holds until then; the name is 128 random bits, never guessed by another process of the store.
-        members = [self.actor.names[0]] + [f"engine {e} worker {w} on {p['node_ip']}"
-                                           for e, n, p in zip(engines, workers, places[1:]) for w in range(n)]
-        addr = master_addr(places)
-        spec = dict(name=f"weights-{secrets.token_hex(16)}", master_addr=addr,
-                    master_port=ray.get(rank0.reserve_port.remote(addr)), world_size=1 + sum(workers),
-                    backend=backend_for("cuda" if self.layout.engine_gpus else "cpu"),
-                    timeout_s=self.cfg.sync.timeout_s, members=tuple(members))
-        with self.actor.lock:
-            refs = [rank0.join_broadcast.remote(spec)]
-        first = 1
-        for e, n in zip(engines, workers):
-            refs.append(self.hosts[e].call.remote("init_weight_broadcast", spec, first))
-            first += n
-        ray.get(refs)
-        self.members = list(engines)
-
-    def _broadcast(self, engines: list[int], bucket_mb: float | None = None) -> SyncStats:
-        if self.members != engines:
-            self._form_group(engines)
-        bucket_mb = bucket_mb or self.cfg.sync.bucket_mb
-        with self.actor.lock:
-            sends = [r.broadcast_weights.remote(bucket_mb, self.fp8) for r in self.actor.ranks]
-        recvs = [self.hosts[e].call.remote("receive_weights_broadcast") for e in engines]
-        stats = self.actor.get(sends, "the weight broadcast")[0]
-        ray.get(recvs)
-        return stats
-
-    def _revive_dead(self) -> None:
-        """Engines that died while idle (between generations) are replaced before a broadcast
-        that would otherwise wait for them until it times out."""
-        for i, h in enumerate(self.hosts):
-            try:
-                ray.get(h.pid.remote(), timeout=60)
-            except ray.exceptions.RayActorError:
-                self.restart(i)
-                self.rollout.note_restart()
-
-    def sync(self, bucket_mb: float | None = None) -> SyncStats:
-        """The actor's weights → every engine (one broadcast); the weights version goes up by one."""
-        self._revive_dead()
-        stats = self._broadcast(list(range(len(self.hosts))), bucket_mb)
-        self.version += 1
-        return stats
-
-    def verify(self) -> int:
-        """Every engine's checksums equal actor rank 0's; returns how many tensors were compared."""
-        from colocate_rl.weight_sync.verify import compare
-
-        sums = self.actor.weight_checksums()
-        for e, host in enumerate(self.hosts):
-            compare(sums, ray.get(host.call.remote("checksum", list(sums))), who=f"actor (engine {e})")
-        return len(sums)
-
-    def restart_rollout(self) -> None:
-        """Engines that died while idle are replaced (the router replaces those lost mid-generation)."""
-        self._revive_dead()
-
-    def drain(self) -> None:
-        self.buffer.drain()
-
-    def make_buffer(self, handoff: Any) -> RolloutBuffer:
-        return self.buffer
-
-    def device_used(self) -> Optional[int]:
-        return None  # each pool's GPUs are its own: the plan's per-pool figures are not measured here
-
-    def processes(self) -> dict[str, list[dict[str, Any]]]:
-        """Where every rank and engine runs and what it uses, as each process reports itself."""
-        return {"ranks": ray.get([r.describe.remote() for r in self.actor.ranks]),
-                "engines": ray.get([h.describe.remote() for h in self.hosts])}
-
-    def engine_checksums(self, names: list[str]) -> list[dict[str, float]]:
-        return ray.get([h.call.remote("checksum", list(names)) for h in self.hosts])
-
-    def kill_engine(self, i: int) -> None:
-        """SIGKILLs engine i's process and waits until it is gone (fault drills): the router finds out
-        from its next call."""
-        import psutil
-
-        try:
-            victim = psutil.Process(self.pids[i])
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(timeout=60)
-        except psutil.NoSuchProcess:
-            pass
-
-    # ------------------------------------------------------------ lifetime
-
-    def shutdown(self) -> None:
-        if self.buffer is not None:
-            self.buffer.close()
-        stop_engines(self.hosts)
-        for r in self.actor.ranks:
-            ray.kill(r)
-        for pg in self.pgs:
-            remove_placement_group(pg)
-
-
-def _place(p: Pools) -> tuple[list, list, list]:
-    """(placement groups, (group, bundle) per actor rank, (group, bundle) per engine). Several nodes:
-    a group per actor node, then one per rollout node, every group on a node of its own."""
-    if p.one_node:
-        pg_actor = placement_group(p.actor, strategy="PACK", name="colocate_rl-actor")
-        pg_rollout = placement_group(p.rollout, strategy="PACK", name="colocate_rl-rollout")
-        wait_ready(pg_actor, "the actor pool", p.actor)
-        wait_ready(pg_rollout, "the rollout pool", p.rollout)
-        return ([pg_actor, pg_rollout], [(pg_actor, i) for i in range(len(p.actor))],
-                [(pg_rollout, i) for i in range(len(p.rollout))])
-    actor = node_groups(p.per_node(p.actor, p.actor_nodes), "actor")
-    rollout = node_groups(p.per_node(p.rollout, p.rollout_nodes), "rollout", avoid=[g.node_id for g in actor])
-    slots = [[(g.pg, i) for g in groups for i in range(n)]
-             for groups, n in ((actor, len(p.actor) // p.actor_nodes), (rollout, len(p.rollout) // p.rollout_nodes))]
-    return [g.pg for g in actor + rollout], slots[0], slots[1]
-
-
-def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> RayDisaggregated:
-    """(``offload`` is for colocated placements: here the actor owns its GPUs.)"""
-    p = pools(cfg)
-    start_ray(cfg, num_cpus=int(sum(b.get("CPU", 0) for b in p.actor + p.rollout)) + 1)
-    pgs, rank_slots, engine_slots = _place(p)
-    authkey = secrets.token_bytes(32)
-    world = len(p.actor)
-    opts: dict[str, Any] = dict(num_gpus=1) if p.engine_gpus else dict(num_cpus=1)
-    ranks = [TrainerRank.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i), **opts,
-    ).remote(authkey) for pg, i in rank_slots]
-    w = RayDisaggregated(cfg, ActorGroup(ranks), [], pgs, engine_slots, authkey, p)
-    w.hosts = [w._start_engine(i) for i in range(len(p.rollout))]  # they start while the ranks build
-    places = ray.get([r.where.remote() for r in ranks])
-    w.actor.names = rank_names(places)
-    # torch.distributed's rendezvous on rank 0's node: its address and a port it holds until its store serves.
-    addr = master_addr(places)
-    master = {"MASTER_ADDR": addr, "MASTER_PORT": str(ray.get(ranks[0].reserve_port.remote(addr)))}
-    net = network_env()
-    w.actor.get([r.start.remote(cfg, {**net, **master, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                                      "OMP_NUM_THREADS": "1"}) for rank, r in enumerate(ranks)], "start")
-    w.pids = ray.get([h.pid.remote() for h in w.hosts])
-    shapes = ray.get(w.hosts[0].call.remote("weight_shapes"))
-    from colocate_rl.weight_sync.quantize import sync_plan
-
-    w.fp8 = sync_plan(shapes)
-    r = cfg.rollout
-    w.rollout = Router(w._submit, len(w.hosts), w.restart, is_lost, r.max_response_tokens, r.n)
-    w.buffer = RolloutBuffer(w.rollout.generate, load_rollout_fn(r.custom_fn) if r.custom_fn else None,
-                             metrics=w.rollout.take_counts)
-    return w
+PLACEMENT = Placement(
+    mode="disaggregated", launchers={"ray": "colocate_rl.placement.ray_disaggregated:launch"},
+    handoff="disaggregated", layout=layout, check=check, auto_launcher=lambda pl, lay: "ray",
+)

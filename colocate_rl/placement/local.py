@@ -4,26 +4,25 @@ share the device; weights still travel as IPC handles (shared memory on CPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Callable, Optional
 
-from colocate_rl.config import Config
-from colocate_rl.handoff import ColocatedHandoff, measure_device
-from colocate_rl.placement.base import engine_quantization, immediate_buffer
-from colocate_rl.rollout.base import Rollout, make_rollout
+from colocate_rl import platform
+from colocate_rl.config import PlacementConfig
+from colocate_rl.placement.colocated import engine_quantization, immediate_buffer
+from colocate_rl.rollout.base import Rollout
 from colocate_rl.rollout.buffer import ImmediateBuffer
-from colocate_rl.trainer import Actor
 from colocate_rl.weight_sync.ipc import SyncStats
 from colocate_rl.weight_sync.quantize import quantize_named
 from colocate_rl.weight_sync.verify import compare
+from colocate_rl.workers import Actor, Build, OnRollout
 
 
 @dataclass
 class LocalColocated:
-    cfg: Config
     actor: Actor
     rollout: Rollout
+    make_rollout: Callable[[], Rollout]
     quantized: dict[str, str]  # weight -> the quantized layout the engine holds it in (weight_sync.quantize)
-    handoff_class = ColocatedHandoff
 
     def sync(self, bucket_mb: float = 256) -> SyncStats:
         """The actor's weights → the engine; those it holds quantized are quantized here, on the
@@ -39,26 +38,25 @@ class LocalColocated:
             self.rollout.shutdown()
         except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; its processes are gone
             pass
-        self.rollout = make_rollout(self.cfg)
+        self.rollout = self.make_rollout()
 
     def drain(self) -> None:
         pass
 
-    def make_buffer(self, handoff: Any) -> ImmediateBuffer:
-        return immediate_buffer(self, handoff)
+    def make_buffer(self, on_rollout: OnRollout) -> ImmediateBuffer:
+        return immediate_buffer(self, on_rollout)
 
     def device_used(self) -> Optional[int]:
-        used = measure_device()
-        return used() if used else None
+        return platform.device_used()
 
     def shutdown(self) -> None:
         self.rollout.shutdown()
 
 
-def launch(cfg: Config, offload: Optional[Sequence[str]] = None) -> LocalColocated:
-    actor = Actor(cfg)
+def launch(pl: PlacementConfig, build: Build) -> LocalColocated:
+    actor = build.make_actor()
     # What the plan keeps off the device while vLLM runs leaves before the engine starts and sizes
     # its KV cache; the rest stays (placement/base.py launch).
-    actor.offload(offload)
-    rollout = make_rollout(cfg)
-    return LocalColocated(cfg, actor, rollout, engine_quantization(rollout))
+    actor.offload(build.resolved.offload)
+    rollout = build.make_rollout()
+    return LocalColocated(actor, rollout, build.make_rollout, engine_quantization(rollout))

@@ -15,7 +15,8 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from colocate_rl.config import Config, ConfigError, cache_dir
+from colocate_rl.config import ConfigError, PlacementConfig
+from colocate_rl.private import cache_dir
 
 # The variable scripts/start_ray.sh and docker/run.sh name the token file by.
 TOKEN_FILE_ENV = "COLOCATE_RL_RAY_TOKEN_FILE"
@@ -28,11 +29,11 @@ def default_token_file() -> Path:
     return Path(root) / "ray-node" / "auth_token"
 
 
-def cluster_token_file(cfg: Config) -> Path | None:
+def cluster_token_file(pl: PlacementConfig) -> Path | None:
     """The token file for joining placement.ray_address: placement.ray_token_file, else
     $COLOCATE_RL_RAY_TOKEN_FILE, else the script's default file where it exists; None: the
     cluster is joined without a token (one started with authentication off)."""
-    named = [(f, v) for f, v in (("placement.ray_token_file", cfg.placement.ray_token_file),
+    named = [(f, v) for f, v in (("placement.ray_token_file", pl.ray_token_file),
                                   (TOKEN_FILE_ENV, os.environ.get(TOKEN_FILE_ENV, ""))) if v]
     if named:
         field, value = named[0]
@@ -72,8 +73,8 @@ def use_token_file(path: Path) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def authenticate(cfg: Config) -> None:
+def authenticate(pl: PlacementConfig) -> None:
     """Before ``ray.init(address=placement.ray_address)``: token mode with the cluster's token file."""
-    path = cluster_token_file(cfg)
+    path = cluster_token_file(pl)
     if path is not None:
         use_token_file(path)

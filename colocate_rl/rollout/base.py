@@ -1,9 +1,11 @@
-"""The rollout side's interface and its backends by name (``rollout.backend``).
+"""The rollout side's interfaces and its backends by name (``rollout.backend``).
 
-A backend is one class implementing ``Rollout``, registered with one line in ``BACKENDS`` as
+A backend is one class implementing ``Engine`` (``RemoteEngine`` when its workers run in processes
+of their own, as vLLM's do), registered with one line in ``BACKENDS`` as
 ``"module:Class"`` (imported only when chosen: vLLM's import alone takes seconds). The placement
 builds engines only through ``make_rollout``, so adding a backend (say SGLang) is one module plus
-its registration line here.
+its registration line here. A backend's class is built as ``Class(model, engine, sampling, resolved,
+model_path)``: the model section, the rollout views and the plan's record (resolved.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-from colocate_rl.config import Config
+from colocate_rl.config import ModelConfig
 from colocate_rl.models.registry import model_folder
+from colocate_rl.resolved import EngineSettings, Resolved, Sampling
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import Message, SyncStats
 
@@ -27,10 +30,8 @@ class EngineDied(RuntimeError):
 
 @runtime_checkable
 class Rollout(Protocol):
-    """What the loop, the handoff and the placement need from an inference engine."""
-
-    supports_sleep: bool  # False: sleep/wake only check the engine is alive (CPU)
-    num_workers: int  # processes holding weights (one per GPU of a TP group)
+    """The rollout side as the loop, the handoff and the placements see it: one engine, or several
+    behind a router."""
 
     def generate(self, samples: list[Sample], n: Optional[int] = None, temperature: Optional[float] = None,
                  max_tokens: Optional[int] = None, seed: Optional[int] = None,
@@ -46,9 +47,35 @@ class Rollout(Protocol):
     def ping(self) -> None:
         """Raises EngineDied when the engine is gone."""
 
+    def checksum(self, names: list[str]) -> dict[str, float]:
+        """HF name -> weight_sync.verify.tensor_checksum of the engine's copy."""
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The engine's tensors by checkpoint name, with their shapes as it holds them: what a sync
+        must quantize (weight_sync.quantize.sync_plan)."""
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Rollout, Protocol):
+    """One engine, as a backend builds it (``make_rollout``)."""
+
+    supports_sleep: bool  # False: sleep/wake only check the engine is alive (CPU)
+    num_workers: int  # processes holding weights (one per GPU of a TP group)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 256,
                        device: Optional[str] = None) -> SyncStats:
         """HF-named tensors from this process, bucket by bucket."""
+
+
+@runtime_checkable
+class RemoteEngine(Engine, Protocol):
+    """An engine whose workers run in processes of their own (vLLM): weights from other processes
+    reach them as bucket messages (IPC handles, weight_sync.ipc) or over a broadcast group. The Ray
+    placements run these only (the plan keeps other backends in a world of one)."""
+
+    device_uuids: list[str]  # each worker's device (weight_sync.ipc.device_uuid): the keys of a bucket message
 
     def begin_weight_sync(self) -> None: ...
 
@@ -59,10 +86,14 @@ class Rollout(Protocol):
 
     def abort_weight_sync(self) -> None: ...
 
-    def checksum(self, names: list[str]) -> dict[str, float]:
-        """HF name -> weight_sync.verify.tensor_checksum of the engine's copy."""
+    def init_weight_broadcast(self, spec: dict[str, Any], first_rank: int) -> list[int]:
+        """Every worker joins the broadcast group (weight_sync.broadcast.GroupSpec as a dict) as rank
+        first_rank + its rank in this engine."""
 
-    def shutdown(self) -> None: ...
+    def receive_weights_broadcast(self) -> SyncStats:
+        """One sync from the broadcast group."""
+
+    def close_weight_broadcast(self) -> None: ...
 
 
 # name -> "module:Class"; the class is imported when chosen.
@@ -79,17 +110,12 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_rollout(cfg: Config, model_path: Optional[str] = None, **kwargs: Any) -> Rollout:
-    """The engine of ``cfg.rollout.backend`` for ``model_path`` (default cfg.model.path; a hub id is
-    resolved to its snapshot on this machine)."""
-    return backend_class(cfg.rollout.backend)(cfg, model_folder(model_path or cfg.model.path), **kwargs)
-
-
-def sampling_seed(cfg: Config, step: int) -> Optional[int]:
-    """Seed of step ``step``'s rollout requests (None: the engine's own generator). Seeding every
-    request from (rollout.seed, step) makes a resumed run sample exactly what the uninterrupted one did."""
-    r = cfg.rollout
-    return r.seed * 1_000_003 + step * 7_919_003 if r.seed_each_step else None
+def make_rollout(model: ModelConfig, engine: EngineSettings, sampling: Sampling, resolved: Resolved,
+                 model_path: Optional[str] = None, **kwargs: Any) -> Engine:
+    """The engine of rollout.backend for ``model_path`` (default model.path; a hub id is resolved to
+    its snapshot on this machine)."""
+    return backend_class(engine.backend)(model, engine, sampling, resolved, model_folder(model_path or model.path),
+                                         **kwargs)
 
 
 EVAL_SEED_OFFSET = 500_009  # eval requests of a step are seeded apart from its training requests

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from colocate_rl.config import import_function
 from colocate_rl.types import RolloutBatch, Sample
@@ -49,6 +49,24 @@ class Produced:
     batch: RolloutBatch
     version: int  # weights version the engines held when generation started
     metrics: dict[str, float]
+
+
+class Buffer(Protocol):
+    """What the loop takes each step's batch from (both kinds below)."""
+
+    generate: Generate  # a batch now, outside the queue (dynamic sampling's refill)
+
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None: ...
+
+    def get(self) -> Produced: ...
+
+    def drain(self) -> None: ...
+
+    def cursor(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass
@@ -134,4 +152,4 @@ class ImmediateBuffer(_Buffer):
         pass  # nothing runs between calls
 
 
-__all__ = ["ImmediateBuffer", "Produced", "RolloutBuffer", "load_rollout_fn"]
+__all__ = ["Buffer", "ImmediateBuffer", "Produced", "RolloutBuffer", "load_rollout_fn"]

@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from colocate_rl.config import Config, cache_dir
+from colocate_rl.config import ModelConfig
 from colocate_rl.models.registry import (MoeRouting, exact_samples_on_v2, load_tokenizer, moe_routing,
                                          read_hf_config)
+from colocate_rl.private import cache_dir
+from colocate_rl.resolved import EngineSettings, Resolved, Sampling
 from colocate_rl.rollout import invariant_norm
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.types import RolloutBatch, Sample
@@ -186,17 +188,16 @@ def _guard_client(client: Any) -> None:
     threading.Thread(target=answer_waiters, daemon=True, name="crl-engine-waiters").start()
 
 
-def llm_kwargs(cfg: Config, model_path: str, max_model_len: int, *, eager: bool, on_cpu: bool,
-               quantized_checkpoint: bool) -> dict[str, Any]:
-    """The arguments of ``vllm.LLM`` for the run's rollout settings (cfg.rollout.engine_kwargs last,
-    so a user's own win)."""
-    r = cfg.rollout
+def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolved: Resolved, model_path: str, *,
+               eager: bool, on_cpu: bool, quantized_checkpoint: bool) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` for the run's rollout settings (rollout.engine_kwargs last, so
+    a user's own win)."""
     kwargs: dict[str, Any] = dict(
-        model=model_path, dtype=cfg.model.dtype, seed=r.seed, max_model_len=max_model_len,
+        model=model_path, dtype=model.dtype, seed=sampling.seed, max_model_len=resolved.max_model_len,
         tensor_parallel_size=r.tensor_parallel_size, enforce_eager=eager, skip_tokenizer_init=True,
-        worker_extension_cls=EXTENSION, trust_remote_code=cfg.model.trust_remote_code,
+        worker_extension_cls=EXTENSION, trust_remote_code=model.trust_remote_code,
     )
-    if r.exact and not eager:
+    if resolved.exact and not eager:
         # No torch.compile (under it vLLM's norms and activations become Inductor code, not the
         # kernels the actor calls: models/exact.py), but CUDA graphs of the decode steps, which
         # replay those same kernels: the loop's gap stays 0.0 and generation takes 2.0x less
@@ -218,7 +219,7 @@ def llm_kwargs(cfg: Config, model_path: str, max_model_len: int, *, eager: bool,
     # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
     # returns the raw model's logprobs.
     kwargs["logprobs_mode"] = "processed_logprobs"
-    if r.routing_replay:
+    if resolved.routing_replay:
         # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
         # GPUs; it runs such an engine on its V1 model runner).
         kwargs["enable_return_routed_experts"] = True
@@ -241,26 +242,29 @@ class RolloutEngine:
     """vLLM with the WeightReceiver extension.
 
     Args:
-        cfg: the run's Config (model.dtype, rollout.*, data.max_prompt_tokens).
-        model_path: HF folder or hub id; defaults to cfg.model.path.
-        tokenizer: a tokenizer, a path to load one from, or None for cfg.model.tokenizer / model_path.
-        multiprocess: vLLM's engine core in its own process; defaults to cfg.rollout.multiprocess.
-        engine_kwargs: extra vllm.LLM arguments (override cfg.rollout.engine_kwargs).
+        model: the model section (dtype, tokenizer, trust_remote_code).
+        engine: how the engine is built (resolved.EngineSettings); sampling: the default sampling
+            settings of ``generate``; resolved: the plan's choices (context length, exact mode,
+            routing replay).
+        model_path: HF folder or hub id; defaults to model.path.
+        tokenizer: a tokenizer, a path to load one from, or None for model.tokenizer / model_path.
+        multiprocess: vLLM's engine core in its own process; defaults to rollout.multiprocess.
+        engine_kwargs: extra vllm.LLM arguments (override rollout.engine_kwargs).
     """
 
     def __init__(
-        self, cfg: Config, model_path: str | None = None, *, tokenizer: Any = None, multiprocess: bool | None = None,
-        **engine_kwargs: Any,
+        self, model: ModelConfig, engine: EngineSettings, sampling: Sampling, resolved: Resolved,
+        model_path: str | None = None, *, tokenizer: Any = None, multiprocess: bool | None = None, **engine_kwargs: Any,
     ) -> None:
-        self.cfg = cfg
-        self.model_path = str(model_path or cfg.model.path)
-        r = cfg.rollout
+        self.engine, self.sampling = engine, sampling
+        self.model_path = str(model_path or model.path)
+        r = engine
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             # Without one the rewards would score empty responses: no tokenizer is a ConfigError,
             # raised before vLLM is imported.
-            field = "tokenizer" if tokenizer else "model.tokenizer" if cfg.model.tokenizer else "model.path"
-            tokenizer = load_tokenizer(tokenizer or cfg.model.tokenizer or self.model_path, field,
-                                       cfg.model.trust_remote_code)
+            field = "tokenizer" if tokenizer else "model.tokenizer" if model.tokenizer else "model.path"
+            tokenizer = load_tokenizer(tokenizer or model.tokenizer or self.model_path, field,
+                                       model.trust_remote_code)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -269,24 +273,24 @@ class RolloutEngine:
         self.eos_ids = _eos_ids(self.model_path, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
-        self.max_model_len = r.max_model_len or (cfg.data.max_prompt_tokens + r.max_response_tokens)
+        self.max_model_len = resolved.max_model_len
         # With TORCHDYNAMO_DISABLE=1 (skips a 15-19 s compile on CPU) vLLM's compiled mode fails in
         # aot_compile; eager is the only mode that runs then.
         eager = r.enforce_eager or os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
-        if r.exact:
+        if resolved.exact:
             # Batch-invariant kernels (the engine's workers read the variable at start).
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             # The two model runners take logprobs with different kernels (a few fp32 ulps apart on
             # ~2% of tokens): named here, not left to vLLM's default, so that the actor knows which
             # to reproduce (exact.token_logprobs).
-            v2 = exact_samples_on_v2(read_hf_config(self.model_path), r.routing_replay)
+            v2 = exact_samples_on_v2(read_hf_config(self.model_path), resolved.routing_replay)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
             invariant_norm.install()  # an in-process engine's model runs here
 
         use_compile_cache(r.compile_cache)
         quantized_checkpoint = _checkpoint_quantized(self.model_path)
 
-        kwargs = llm_kwargs(cfg, self.model_path, self.max_model_len, eager=eager, on_cpu=self.on_cpu,
+        kwargs = llm_kwargs(model, engine, sampling, resolved, self.model_path, eager=eager, on_cpu=self.on_cpu,
                             quantized_checkpoint=quantized_checkpoint)
         kwargs.update(engine_kwargs)
         self.supports_sleep = bool(kwargs.get("enable_sleep_mode", False)) and not self.on_cpu
@@ -317,7 +321,7 @@ class RolloutEngine:
         if self.multiprocess:  # before the first call to it
             _guard_client(self.llm.llm_engine.engine_core)
         self.routing: MoeRouting | None = None
-        if r.routing_replay:
+        if resolved.routing_replay:
             self.routing = moe_routing(_model_config(self.model_path, self.llm))
             if self.routing is None:
                 self.shutdown()
@@ -355,7 +359,7 @@ class RolloutEngine:
     ) -> RolloutBatch:
         """n samples per prompt, rows of a prompt adjacent. ``seed``: reproducible batch (vLLM seeds
         sample k of prompt i with seed + i*n + k); None draws from the engine's generator (seeded
-        by cfg.rollout.seed). Logprobs are of the sampled distribution (after temperature; the
+        by rollout.seed). Logprobs are of the sampled distribution (after temperature; the
         engine runs with logprobs_mode=processed_logprobs)."""
         from vllm import SamplingParams
 
@@ -363,7 +367,7 @@ class RolloutEngine:
             raise RuntimeError("generate during a weight sync: call end_weight_sync() first")
         if self.asleep:
             raise RuntimeError("generate while the engine sleeps: call wake() first")
-        r = self.cfg.rollout
+        r = self.sampling
         n = r.n if n is None else n
         params = [
             SamplingParams(
@@ -448,11 +452,11 @@ class RolloutEngine:
         return True
 
     def sleep(self, level: int | None = None) -> None:
-        """Level 2 (default, cfg.rollout.sleep_level) discards weights and KV cache: the next sync
+        """Level 2 (default, rollout.sleep_level) discards weights and KV cache: the next sync
         overwrites the weights anyway. Level 1 keeps a host copy of the weights."""
         if self._no_sleep():
             return
-        level = self.cfg.rollout.sleep_level if level is None else level
+        level = self.engine.sleep_level if level is None else level
         if level == 2:
             self._rpc("weights_discarded")
         self.llm.sleep(level=level)
@@ -471,7 +475,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
 
     def begin_weight_sync(self) -> None:
-        self._rpc("begin_weight_sync", self.cfg.sync.direct)
+        self._rpc("begin_weight_sync", self.engine.direct)
         self._syncing = True
 
     def load_message(self, message: Message) -> list[dict[str, float]]:

@@ -13,7 +13,7 @@ compressor ignores attention masks); logprobs are of the sampling distribution (
 the temperature, after top-p), as vLLM reports them with processed_logprobs. Weights arrive as
 the actor exports them and are copied in place; the model family says which transformers tensor
 holds an exported name (``Family.hf_tensor``) and how to build the model (``Family.hf_model``).
-One process, no sleep mode.
+One process (the actor's), no sleep mode, no broadcast: the plan allows it in a world of one only.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from colocate_rl.config import Config
+from colocate_rl.config import ModelConfig
 from colocate_rl.models.registry import family_for, load_hf_model, load_tokenizer, read_hf_config
+from colocate_rl.resolved import EngineSettings, Resolved, Sampling
 from colocate_rl.types import RolloutBatch, Sample
 from colocate_rl.weight_sync.ipc import SyncStats
 from colocate_rl.weight_sync.verify import tensor_checksum
@@ -37,20 +38,21 @@ class TransformersRollout:
     asleep = False
     num_workers = 1
 
-    def __init__(self, cfg: Config, model_path: str):
-        self.cfg, self.model_path = cfg, model_path
-        self.dtype = getattr(torch, cfg.model.dtype)
+    def __init__(self, model: ModelConfig, engine: EngineSettings, sampling: Sampling, resolved: Resolved,
+                 model_path: str):
+        self.sampling, self.model_path = sampling, model_path
+        self.dtype = getattr(torch, model.dtype)
         self.family = family_for(read_hf_config(model_path))
         self.model = load_hf_model(model_path, self.dtype)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path,
-                                        "model.tokenizer" if cfg.model.tokenizer else "model.path",
-                                        cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(model.tokenizer or model_path,
+                                        "model.tokenizer" if model.tokenizer else "model.path",
+                                        model.trust_remote_code)
         gen = Path(model_path) / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else self.tokenizer.eos_token_id
         self.eos_ids = [int(i) for i in (eos if isinstance(eos, list) else [eos])]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self._params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-        self._gen = torch.Generator().manual_seed(cfg.rollout.seed)
+        self._gen = torch.Generator().manual_seed(sampling.seed)
 
     # ------------------------------------------------------------ generation
 
@@ -58,7 +60,7 @@ class TransformersRollout:
     def generate(self, samples: list[Sample], n: Optional[int] = None, temperature: Optional[float] = None,
                  max_tokens: Optional[int] = None, seed: Optional[int] = None,
                  top_p: Optional[float] = None) -> RolloutBatch:
-        r = self.cfg.rollout
+        r = self.sampling
         n = r.n if n is None else n
         temp = r.temperature if temperature is None else temperature
         top_p = r.top_p if top_p is None else top_p
@@ -125,6 +127,9 @@ class TransformersRollout:
 
     def checksum(self, names: list[str]) -> dict[str, float]:
         return {n: tensor_checksum(self._target(n)) for n in names}
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self._params.items()}
 
     def shutdown(self) -> None:
         pass

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from colocate_rl.config import first_line
+from colocate_rl.errors import first_line
 from colocate_rl.types import RolloutBatch, Sample
 
 log = logging.getLogger(__name__)

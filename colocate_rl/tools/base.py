@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colocate_rl.config import error_line
+from colocate_rl.errors import error_line
 from colocate_rl.tools.config import ToolsConfig
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from colocate_rl.config import error_line
+from colocate_rl.errors import error_line
 from colocate_rl.tools.base import ToolCall
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from colocate_rl import platform
 from colocate_rl.algorithms import gap_summary, global_counts, policy_loss
-from colocate_rl.config import Config, fused_logprobs, grouped_experts, resolve_fp32_residual
+from colocate_rl.config import ActorConfig, AlgorithmConfig, ModelConfig
 from colocate_rl.models.build import build_model
 from colocate_rl.models import exact
 from colocate_rl.models.grouped_experts import GroupedExperts, grouped_gemm_runs
@@ -42,6 +42,7 @@ from colocate_rl.models.mapping import export_hf_weights, load_hf_weights
 from colocate_rl.models.norm import RMSNorm
 from colocate_rl.models.registry import exact_samples_on_v2, family_for, model_folder, read_hf_config
 from colocate_rl.models.replay import RoutingReplay
+from colocate_rl.resolved import Resolved, Sampling
 from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.census import SavedTensorCensus
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
@@ -62,8 +63,10 @@ _FINITE_CHECK_NUMEL = 1 << 26  # gradients per slice of the inf/NaN check (64 Mi
 
 
 class Actor:
-    """Built from ``cfg.model`` (HF folder), ``cfg.actor`` (parallelism, optimizer, schedule),
-    ``cfg.algorithm`` (loss), ``cfg.rollout.temperature`` (logprobs of the sampling distribution).
+    """Built from ``model`` (HF folder, dtype), ``actor`` (parallelism, optimizer), ``algorithm``
+    (loss), ``sampling`` (the logprobs are of the sampling distribution: its temperature, its longest
+    response), ``resolved`` (the plan's kernels, exact mode, routing replay, the schedule's length)
+    and ``seed`` (megatron-core's model-parallel RNG). A choice of ``resolved`` it cannot run raises.
 
     Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
     (Megatron optimizer, or ``HostAdam`` with ``actor.optimizer_cpu_offload``), ``scheduler``
@@ -72,28 +75,28 @@ class Actor:
     checkpoint that holds one).
     """
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        a = cfg.actor
+    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, sampling: Sampling,
+                 resolved: Resolved, seed: int):
+        self.cfg, self.algorithm, self.sampling, self.resolved = actor, algorithm, sampling, resolved
+        a, kernels = actor, resolved.kernels
         platform.setup_platform()
-        self.exact = cfg.rollout.exact
+        self.exact = resolved.exact
         if self.exact:  # before any CUDA matmul of this process
             exact.enable()
-        self.model_path = model_folder(cfg.model.path)  # a hub id: its snapshot, fetched if absent
+        self.model_path = model_folder(model.path)  # a hub id: its snapshot, fetched if absent
         self.hf_config = read_hf_config(self.model_path)
         self.family = family_for(self.hf_config)
-        self._exact_v2 = exact_samples_on_v2(self.hf_config, cfg.rollout.routing_replay)
-        self.dtype = DTYPES[cfg.model.dtype]
+        self._exact_v2 = exact_samples_on_v2(self.hf_config, resolved.routing_replay)
+        self.dtype = DTYPES[model.dtype]
         # The layout was validated with the run's plan (colocate_rl.plan) before any process started.
         self.rank, world = init_process_group()
         self.dp = world // (a.tp * a.pp)
-        init_model_parallel(a.tp, a.pp, a.ep, cfg.seed)
+        init_model_parallel(a.tp, a.pp, a.ep, seed)
         from megatron.core import parallel_state as ps
 
         self._ps = ps
         self.dp_rank = ps.get_data_parallel_rank()
         self.device = platform.device()
-        self._fused_logprobs = fused_logprobs(cfg, self.device.type == "cuda")
 
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if a.recompute else {}
@@ -104,20 +107,21 @@ class Actor:
             use_cpu_initialization=not platform.has_gpu(),
             perform_initialization=False,  # every parameter is overwritten from the checkpoint
             variable_seq_lengths=a.pp > 1,  # micro-batches are trimmed to their own length
-            fp32_residual_connection=resolve_fp32_residual(cfg, self.family.fp32_residual),
+            fp32_residual_connection=kernels.fp32_residual,
             **recompute,
         )
         module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
         for m in module.modules():  # actor.norm_kernel (models/norm.py; exact mode stops at config time)
             if isinstance(m, RMSNorm):
-                m.fused = a.norm_kernel == "fused"
-        self._set_expert_kernel(module, grouped_experts(cfg, self.device.type == "cuda"))
+                m.fused = kernels.norms == "fused"
+        if kernels.experts == "grouped":
+            self._group_experts(module)
         self.specs = self.family.params(self.hf_config)
         load_hf_weights(module, self.specs, self.model_path)
         if a.emulate_rollout_fp8:
             self.family.fp8_emulation(module, self.hf_config)
         self.model, self.optimizer, self.scheduler = self._wrap(module)
-        self._replay = self._routing_replay(module) if cfg.rollout.routing_replay else None
+        self._replay = self._routing_replay(module) if resolved.routing_replay else None
         # Gradients are zeroed before every backward, so offloading them is freeing them.
         # The optimizer state is read only by the optimizer step: its onload may finish behind the
         # forward and backward (actor.overlap_onload).
@@ -128,21 +132,18 @@ class Actor:
 
     # ------------------------------------------------------------ build
 
-    def _set_expert_kernel(self, module, grouped: bool) -> None:
-        """actor.expert_kernel on every GroupedExperts layer; an explicit ``grouped`` that this model
-        or device cannot run stops here, an automatic one falls back to sequential with a line."""
+    def _group_experts(self, module) -> None:
+        """Every GroupedExperts layer runs its experts in grouped GEMMs, as the plan resolved
+        actor.expert_kernel; a layer or device that cannot stops here, naming why."""
         layers = [m for m in module.modules() if isinstance(m, GroupedExperts)]
-        if not grouped or not layers:
+        if not layers:  # a dense model (known to the plan only by its hub id): nothing to group
             return
         reasons = [m.why_not_grouped for m in layers]
         if not grouped_gemm_runs(self.device.type, self.dtype):
             reasons.insert(0, f"torch's grouped GEMM does not run for {self.dtype} on this {self.device.type}")
         why = next((r for r in reasons if r), None)
         if why:
-            if self.cfg.actor.expert_kernel == "grouped":
-                raise ValueError(f"actor.expert_kernel=grouped: {why}")
-            print(f"[actor] actor.expert_kernel=auto: sequential experts ({why})", flush=True)
-            return
+            raise ValueError(f"actor.expert_kernel resolved to grouped, but {why}")
         for m in layers:
             m.grouped = True
 
@@ -152,7 +153,7 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        a = self.cfg.actor
+        a = self.cfg
         ddp = DistributedDataParallel(
             self.model_config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -180,7 +181,7 @@ class Actor:
         if host:
             optimizer = HostAdam(optimizer, ddp, clip_grad=a.grad_clip, state_dtype=a.optimizer_state_dtype,
                                  chunk_mb=a.optimizer_chunk_mb, distributed=a.distributed_optimizer)
-        total_steps = max(self.cfg.steps * a.num_minibatches, a.lr_warmup_steps + 1)
+        total_steps = self.resolved.lr_decay_steps
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps,
             lr_decay_steps=total_steps, lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
@@ -198,7 +199,7 @@ class Actor:
             raise ValueError(f"rollout.routing_replay=true but the model ({self.hf_config.get('model_type')}) has "
                              "no routed experts to replay")
         self._moe_routing = routing
-        replay = RoutingReplay(routing.layers, self.cfg.actor.sequence_parallel)
+        replay = RoutingReplay(routing.layers, self.cfg.sequence_parallel)
         replay.install(module)
         return replay
 
@@ -229,12 +230,12 @@ class Actor:
         them in exact mode."""
         if self.exact:
             return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
-        return token_logprobs(logits, tokens, temperature, fused=self._fused_logprobs)
+        return token_logprobs(logits, tokens, temperature, fused=self.resolved.kernels.logprobs == "fused")
 
     def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """This rank's micro-batches of ``rows`` (trainer/batching.py), by actor.micro_batch_tokens or
         actor.micro_batch_size."""
-        a = self.cfg.actor
+        a = self.cfg
         return rank_micro_batches(rows, lengths, self.dp, self.dp_rank, a.micro_batch_size, a.micro_batch_tokens)
 
     def _check_onloaded(self, part: Optional[str] = None) -> None:
@@ -249,7 +250,7 @@ class Actor:
         # Sequence parallelism splits the sequence evenly over the tensor-parallel ranks: pad it to a
         # multiple of tp on the right (causal attention leaves the real positions as they are) and
         # drop the padded positions' logits. Every stage gets the tokens (DeepSeek-V4's hash routing).
-        pad = -t % self.cfg.actor.tp if self.cfg.actor.sequence_parallel else 0
+        pad = -t % self.cfg.tp if self.cfg.sequence_parallel else 0
         inputs = torch.nn.functional.pad(tokens, (0, pad)) if pad else tokens
         positions = torch.arange(t + pad, device=self.device).expand(b, t + pad)
         # Routing replay: every stage gets the whole [b, t, L, k] routing, each MoE layer reads its
@@ -318,7 +319,7 @@ class Actor:
         lengths = batch.attention_mask.sum(1)
         mine = self._micro_batches(torch.arange(b), lengths)
         items = [(batch.select(rows).to(self.device), rows) for rows in mine]
-        temperature = self.cfg.rollout.temperature
+        temperature = self.sampling.temperature
 
         def logprobs_of(item, tokens, output, non_loss_data=False):
             return self._token_logprobs(output, tokens, temperature)
@@ -351,14 +352,14 @@ class Actor:
         and ref_time_s (the reference's forward pass, 0 when ref_logprobs were given)."""
         if batch.advantages is None:
             raise ValueError("RolloutBatch.advantages is None: compute advantages before train_step")
-        if old_logprobs is None and self.cfg.actor.num_minibatches > 1:
-            raise ValueError(f"actor.num_minibatches={self.cfg.actor.num_minibatches}: every optimizer step after "
+        if old_logprobs is None and self.cfg.num_minibatches > 1:
+            raise ValueError(f"actor.num_minibatches={self.cfg.num_minibatches}: every optimizer step after "
                              "the first needs old_logprobs from before the first (compute_logprobs)")
         for name, lp in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
             if lp is not None and lp.shape != batch.tokens.shape:
                 raise ValueError(f"{name} has shape {tuple(lp.shape)}, expected {tuple(batch.tokens.shape)}")
         self._check_routing(batch)
-        alg, temperature, dev = self.cfg.algorithm, self.cfg.rollout.temperature, self.device
+        alg, temperature, dev = self.algorithm, self.sampling.temperature, self.device
         ref_s = 0.0
         if alg.kl_coef > 0 and ref_logprobs is None:
             t0 = time.perf_counter()
@@ -370,7 +371,7 @@ class Actor:
             lp = self._token_logprobs(output, tokens, temperature)
             loss, metrics = policy_loss(
                 lp, lp.detach() if old is None else old, mb.rollout_logprobs, mb.advantages, mb.loss_mask, alg,
-                ref_logprobs=ref, max_response_tokens=self.cfg.rollout.max_response_tokens, **counts,
+                ref_logprobs=ref, max_response_tokens=self.sampling.max_response_tokens, **counts,
             )
             return loss, metrics
 
@@ -379,7 +380,7 @@ class Actor:
             return (mb, None if old_logprobs is None else old_logprobs[rows, :t].to(dev),
                     None if ref_logprobs is None else ref_logprobs[rows, :t].to(dev))
 
-        out = self._steps(batch, self.cfg.actor.num_minibatches, grpo_loss, item)
+        out = self._steps(batch, self.cfg.num_minibatches, grpo_loss, item)
         if alg.kl_coef > 0:
             out.update(kl_coef=alg.kl_coef, ref_time_s=ref_s)
         return out
@@ -392,16 +393,16 @@ class Actor:
         self._check_onloaded()
         if self.reference is None:
             self.reference = Reference.snapshot(self._build_reference_module(), self.model.module,
-                                                self.cfg.actor.ref_on_device)
+                                                self.cfg.ref_on_device)
         with self.reference.resident() as module:
             out = self._logprobs(module, batch)
             if platform.has_gpu():
                 torch.cuda.synchronize()  # the pass's seconds, not its launch's
         return out
 
-    def sft_step(self, batch: RolloutBatch, lr: Optional[float] = None) -> dict[str, float]:
+    def sft_step(self, batch: RolloutBatch, lr: float) -> dict[str, float]:
         """One optimizer step of supervised NLL on the loss_mask tokens (token mean over the batch),
-        at ``lr`` (default cfg.sft.lr); the RL learning-rate schedule does not advance."""
+        at ``lr`` (sft.lr in a run); the RL learning-rate schedule does not advance."""
 
         def nll_loss(counts, item, tokens, output):
             mb = item[0]
@@ -414,7 +415,7 @@ class Actor:
 
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.sft.lr if lr is None else lr
+            g["lr"] = lr
         try:
             return self._steps(batch, 1, nll_loss, lambda mb, rows: (mb,), advance_schedule=False)
         finally:
@@ -612,10 +613,10 @@ class Actor:
         self._check_onloaded()
         self._offload.ready()
         saved_ref = bool((dist_checkpointing.load_content_metadata(str(path)) or {}).get(_HAS_REFERENCE))
-        if not (saved_ref and self.cfg.algorithm.kl_coef > 0):
+        if not (saved_ref and self.algorithm.kl_coef > 0):
             self.reference = None
         elif self.reference is None:  # its weights come from the checkpoint
-            self.reference = Reference(self._build_reference_module(), self.cfg.actor.ref_on_device)
+            self.reference = Reference(self._build_reference_module(), self.cfg.ref_on_device)
         ref = self.reference
         # Loading optimizer state runs the same tensor-type checks as building the optimizer.
         cpu_types = contextlib.nullcontext() if platform.has_gpu() else platform.megatron_tensor_methods_on_cpu()

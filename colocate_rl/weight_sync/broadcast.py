@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from colocate_rl.config import first_line
+from colocate_rl.errors import first_line
 from colocate_rl.ports import is_loopback, tcp_store
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta
 from colocate_rl.weight_sync.ipc import SyncStats, WeightSyncError

@@ -21,8 +21,6 @@ device: it is plain torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-
 import torch
 
 BLOCK = 128
@@ -75,20 +73,4 @@ def held(shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (m, n), (-(-m // BLOCK), -(-n // BLOCK))
 
 
-def fp8_targets(engine_shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
-    """Names of the weights an engine holds in this block-FP8 layout (``<name>_scale_inv`` beside them)."""
-    from colocate_rl.weight_sync.quantize import sync_plan
-
-    return {name for name, fmt in sync_plan(engine_shapes).items() if fmt == "fp8_block"}
-
-
-def quantize_named(named: Iterable[tuple[str, torch.Tensor]], targets: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors with every target weight replaced by (name, q) and (name + "_scale_inv", scale);
-    others pass through. Lazy, like the actor's export: one tensor at a time."""
-    from colocate_rl.weight_sync.quantize import quantize_named as quantize_planned
-
-    return quantize_planned(named, dict.fromkeys(targets, "fp8_block"))
-
-
-__all__ = ["BLOCK", "E4M3_MAX", "dequantize_block_fp8", "fp8_targets", "held", "quantize_block_fp8", "quantize_named",
-           "scale_name"]
+__all__ = ["BLOCK", "E4M3_MAX", "dequantize_block_fp8", "held", "quantize_block_fp8", "scale_name"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from colocate_rl.cli import preset_config
 from colocate_rl.config import Config, load
+from colocate_rl.plan import RunPlan, resolve
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -23,3 +24,8 @@ def run_cfg(recipe: str, tmp_path, model, **over: str) -> Config:
             "eval.every": "0", "checkpoint.at_end": "false", "placement.gpus_per_node": "1",
             "placement.launcher": "local", **over}
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
+
+
+def planned(cfg: Config) -> tuple[Config, RunPlan]:
+    """(cfg, the plan resolved from it): what loop.run and start_session take."""
+    return cfg, resolve(cfg)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 from colocate_rl.types import RolloutBatch  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
+from batches import build_actor, synthetic_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -30,13 +30,11 @@ def make_batch(vocab: int = 320) -> RolloutBatch:
 
 
 def make_actor(path, dtype="float32", **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 3
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def hf_logprobs(path, batch, dtype=torch.float32):

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
 from colocate_rl.weight_sync.buckets import pack, unpack
-from colocate_rl.weight_sync.fp8 import quantize_named
+from colocate_rl.weight_sync.quantize import quantize_named
 
 
 def _spec(name: str, timeout_s: float) -> GroupSpec:
@@ -31,7 +31,7 @@ def _named(device):
     named = [(f"layers.{i}.mlp.down_proj.weight", torch.randn(512, 768, generator=g)) for i in range(4)]
     named.append(("model.norm.weight", torch.randn(512, generator=g)))
     named = [(n, t.to(torch.bfloat16).to(device)) for n, t in named]
-    return list(quantize_named(iter(named), {"layers.0.mlp.down_proj.weight"}))
+    return list(quantize_named(iter(named), {"layers.0.mlp.down_proj.weight": "fp8_block"}))
 
 
 def _member(rank: int, spec: GroupSpec, mode: str, q) -> None:

@@ -14,7 +14,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 from colocate_rl.types import RolloutBatch  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
+from batches import build_actor, synthetic_batch  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
               pytest.mark.skipif(not hasattr(__import__("transformers"), "DeepseekV4Config"),
@@ -26,11 +26,9 @@ def make_batch() -> RolloutBatch:
 
 
 def actor_for(path, dtype):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def test_fp32_logprobs_match_transformers_and_bf16_step_moves(tiny_model):

@@ -43,6 +43,8 @@ os.environ.setdefault("VLLM_DISABLED_KERNELS", "FlashInferFp8DeepGEMMDynamicBloc
 from colocate_rl.models.deepseek_v4.synth import VLLM_SMALL as SHAPE  # noqa: E402 - released attention sizes
 from colocate_rl.types import Sample  # noqa: E402
 
+from batches import build_engine  # noqa: E402
+
 FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # routing state RL never changes (the actor sends it as it is)
 MAX_TOKENS, N = 24, 2
 
@@ -86,7 +88,6 @@ def write(folder, hf: dict, sd: dict[str, torch.Tensor]):
 
 def engine(path):
     from colocate_rl.config import Config
-    from colocate_rl.rollout import RolloutEngine
 
     cfg = Config()
     cfg.model.path, cfg.model.dtype = str(path), "bfloat16"
@@ -94,7 +95,7 @@ def engine(path):
     cfg.rollout.max_model_len, cfg.rollout.temperature = 1024, 1.0
     cfg.rollout.multiprocess, cfg.rollout.enforce_eager = True, True
     cfg.rollout.gpu_memory_utilization = 0.5
-    return RolloutEngine(cfg, kv_cache_dtype="fp8")
+    return build_engine(cfg, kv_cache_dtype="fp8")
 
 
 def sample(eng):

@@ -29,8 +29,8 @@ from colocate_rl import loop  # noqa: E402
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 from colocate_rl.session import start_session  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
-from gpu_runs import run_cfg  # noqa: E402 - same folder
+from batches import build_actor, synthetic_batch  # noqa: E402
+from gpu_runs import planned, run_cfg  # noqa: E402 - same folder
 
 SHAPE = "qwen3-0.6b"  # head_dim 128: a FlashAttention 3 size
 
@@ -46,7 +46,7 @@ def session_cfg(tmp_path, model, **over: str):
 def test_actor_forward_is_vllms_forward(tmp_path, tiny_model, shape):
     cfg = session_cfg(tmp_path, tiny_model(shape, dtype="bfloat16"))
     cfg.rollout.temperature = 1.0  # vLLM's prompt logprobs are the model's own (no temperature)
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     try:
         batch = s.rollout.generate(s.train_samples[:8], seed=3)
         with s.handoff.actor_owned(changes_weights=False):
@@ -70,7 +70,7 @@ def test_actor_logprobs_equal_the_samplers_bit_for_bit(tmp_path, tiny_model, sha
     to the experts the sampler chose."""
     cfg = session_cfg(tmp_path, tiny_model(shape, dtype="bfloat16"))
     cfg.rollout.temperature, cfg.rollout.routing_replay = temperature, r3
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     try:
         batch = s.rollout.generate(s.train_samples[:8], seed=5)
         with s.handoff.actor_owned(changes_weights=False):
@@ -105,7 +105,7 @@ def test_exact_at_tp2_on_two_gpus(tmp_path, tiny_model):
     cfg = session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"), **{
         "actor.tp": "2", "rollout.tensor_parallel_size": "2", "placement.gpus_per_node": "2",
         "placement.launcher": "ray"})
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     try:
         for step in range(3):  # the second and third sample from synced weights
             m = loop.step(s)
@@ -139,7 +139,6 @@ def where_it_differs(batch, actor, prefill):
 
 def test_exact_forward_has_autograds_gradients(tiny_model):
     from colocate_rl.models import exact
-    from colocate_rl.trainer import Actor
 
     path = tiny_model(SHAPE, dtype="bfloat16")
     batch = synthetic_batch([40, 33, 21, 40], prompt_len=6, vocab=151936)
@@ -147,7 +146,7 @@ def test_exact_forward_has_autograds_gradients(tiny_model):
     def grads(exact_mode: bool) -> dict[str, torch.Tensor]:
         cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
         cfg.rollout.exact = exact_mode
-        actor = Actor(cfg)
+        actor = build_actor(cfg)
         module = actor.model.module
         tokens, mask = batch.tokens.cuda(), batch.loss_mask.cuda()
         positions = torch.arange(tokens.shape[1], device="cuda")[None].expand_as(tokens)

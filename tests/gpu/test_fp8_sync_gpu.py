@@ -25,7 +25,10 @@ if torch.version.hip is None and torch.cuda.get_device_capability() < (8, 9):
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
 
 from colocate_rl.types import Sample  # noqa: E402
-from colocate_rl.weight_sync.fp8 import BLOCK, fp8_targets, quantize_named  # noqa: E402
+from colocate_rl.weight_sync.fp8 import BLOCK  # noqa: E402
+from colocate_rl.weight_sync.quantize import quantize_named, sync_plan  # noqa: E402
+
+from batches import build_engine  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[11, 12, 13, 14], [20, 21, 22], [5, 6, 7, 8, 9], [30, 31]]
@@ -37,7 +40,8 @@ def write_fp8(src, dst, tensors: dict[str, torch.Tensor]):
 
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     targets = {n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEAR}
-    out = {n: t.contiguous().cpu() for n, t in quantize_named(iter(tensors.items()), targets)}
+    plan = dict.fromkeys(targets, "fp8_block")
+    out = {n: t.contiguous().cpu() for n, t in quantize_named(iter(tensors.items()), plan)}
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
@@ -49,14 +53,13 @@ def write_fp8(src, dst, tensors: dict[str, torch.Tensor]):
 def engine(path):
     pytest.importorskip("vllm", reason="needs vLLM's GPU build")
     from colocate_rl.config import Config
-    from colocate_rl.rollout import RolloutEngine
 
     cfg = Config()
     cfg.model.path, cfg.model.dtype = str(path), "bfloat16"
     cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens, cfg.rollout.n = 16, 16, 2
     cfg.rollout.multiprocess, cfg.rollout.enforce_eager = True, True
     cfg.rollout.gpu_memory_utilization = 0.3
-    return RolloutEngine(cfg)
+    return build_engine(cfg)
 
 
 def sample(eng):
@@ -82,7 +85,8 @@ def test_fp8_engine_after_each_of_three_syncs_samples_as_the_checkpoint_of_the_s
         ref_eng.shutdown()
     eng = engine(write_fp8(src, tmp_path / "start", start))
     try:
-        targets = fp8_targets(eng.weight_shapes())
+        targets = sync_plan(eng.weight_shapes())
+        assert set(targets.values()) == {"fp8_block"}
         assert len(targets) == 7 * sum(1 for n in start if n.endswith("mlp.down_proj.weight")), "every linear is FP8"
         before = sample(eng)
         mask = ref[1] != 0

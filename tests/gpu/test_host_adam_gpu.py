@@ -16,7 +16,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
+from batches import build_actor, synthetic_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
@@ -24,13 +24,11 @@ LENS = [24, 17, 21, 9, 20, 13, 24, 8]
 
 
 def make_actor(path, dtype="float32", **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 4
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def steps(actor, n: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from colocate_rl.memory import Phase
 from colocate_rl.metrics import read
 from colocate_rl.session import start_session
 
-from gpu_runs import run_cfg  # same folder
+from gpu_runs import planned, run_cfg  # same folder
 
 CYCLE = [Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC, Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT]
 
@@ -37,7 +37,7 @@ def gpu_cfg(tmp_path, model, gpus: int = 1, **over):
 
 def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):
     # actor.offload=all: every part leaves the card each step, so each side's hand-over shows.
-    s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small")))
+    s = start_session(*planned(gpu_cfg(tmp_path, tiny_model("qwen3-small"))))
     try:
         for step in range(3):
             start = len(s.handoff.machine.history)
@@ -61,8 +61,8 @@ def test_colocated_steps_on_one_gpu(tmp_path, tiny_model):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs on one host")
 def test_tp2_colocated_on_two_gpus(tmp_path, tiny_model):
     pytest.importorskip("ray", reason="two ranks run as Ray actors")
-    s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small"), gpus=2,
-                              **{"actor.tp": "2", "rollout.tensor_parallel_size": "2"}))
+    s = start_session(*planned(gpu_cfg(tmp_path, tiny_model("qwen3-small"), gpus=2,
+                              **{"actor.tp": "2", "rollout.tensor_parallel_size": "2"})))
     try:
         assert s.workers.node_senders == [[0, 1]], "one sender per GPU UUID"
         procs = s.workers.processes()  # read from inside each process

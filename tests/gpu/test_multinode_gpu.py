@@ -22,9 +22,10 @@ pytest.importorskip("megatron.core", reason="the loop needs megatron-core")
 ray = pytest.importorskip("ray")
 
 from colocate_rl import loop  # noqa: E402
-from colocate_rl.placement.ray_colocated import NOSET  # noqa: E402
+from colocate_rl.placement.ray_tools import NOSET  # noqa: E402
 from colocate_rl.session import start_session  # noqa: E402
 
+from gpu_runs import planned  # noqa: E402 - same folder
 from test_loop_gpu import gpu_cfg  # noqa: E402 - same folder
 
 
@@ -50,8 +51,8 @@ def two_gpu_nodes():
 
 
 def test_colocated_one_gpu_per_node(tmp_path, tiny_model, two_gpu_nodes):
-    s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small"), **{"placement.nnodes": "2",
-                                                                       "placement.launcher": "ray"}))
+    s = start_session(*planned(gpu_cfg(tmp_path, tiny_model("qwen3-small"), **{"placement.nnodes": "2",
+                                                                       "placement.launcher": "ray"})))
     try:
         procs = s.workers.processes()
         ranks, engines = procs["ranks"], procs["engines"]
@@ -72,9 +73,9 @@ def test_colocated_one_gpu_per_node(tmp_path, tiny_model, two_gpu_nodes):
 
 
 def test_disaggregated_one_actor_node_one_rollout_node(tmp_path, tiny_model, two_gpu_nodes):
-    s = start_session(gpu_cfg(tmp_path, tiny_model("qwen3-small"), **{
+    s = start_session(*planned(gpu_cfg(tmp_path, tiny_model("qwen3-small"), **{
         "placement.mode": "disaggregated", "placement.nnodes": "2", "placement.actor_nodes": "1",
-        "placement.rollout_nodes": "1", "placement.launcher": "auto"}))
+        "placement.rollout_nodes": "1", "placement.launcher": "auto"})))
     try:
         for step in range(2):
             m = loop.step(s, last=step == 1)

@@ -15,18 +15,16 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
+from batches import build_actor, synthetic_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
 
 def make_actor(path, dtype: str, kl_coef: float, ref_on_device: bool = False):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size, cfg.actor.ref_on_device = 1e-3, 3, ref_on_device
     cfg.algorithm.kl_coef = kl_coef
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def allocated() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import torch.multiprocessing as mp
 
 from colocate_rl.types import Sample
 from colocate_rl.weight_sync import IpcReceiver, IpcSender, WeightSyncError, device_uuid, tensor_checksum, unpack
+
+from batches import build_engine
 
 PROMPTS = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
 # fp32 on both sides; GPU kernels (FlexAttention / cuBLAS) order fp32 sums differently from the
@@ -81,9 +84,7 @@ def samples(eng):
 
 def _engine(path):
     pytest.importorskip("vllm", reason="the engine tests need vLLM's GPU build")
-    from colocate_rl.rollout import RolloutEngine
-
-    return RolloutEngine(make_cfg(path))
+    return build_engine(make_cfg(path))
 
 
 @pytest.fixture(scope="module")
@@ -305,10 +306,10 @@ def test_direct_loading_equals_load_weights(which, request, tiny_model, tmp_path
     first, first_tensors = perturbed(path, tmp_path / "a", seed=20)
     other, other_tensors = perturbed(path, tmp_path / "b", seed=21)
     try:
-        eng.cfg.sync.direct = False
+        eng.engine = replace(eng.engine, direct=False)
         eng.update_weights(first_tensors.items(), bucket_mb=0.05)
         want = eng.state_checksums()
-        eng.cfg.sync.direct = True
+        eng.engine = replace(eng.engine, direct=True)
         eng.update_weights(other_tensors.items(), bucket_mb=0.05)
         assert eng.state_checksums() != want, "control: other weights, another state"
         assert max_diff(other, eng.generate(samples(eng), seed=4)) <= TOL
@@ -318,4 +319,4 @@ def test_direct_loading_equals_load_weights(which, request, tiny_model, tmp_path
         (stats,) = eng.direct_load_stats()
         assert stats == {"direct": len(first_tensors), "load_weights": 0, "enabled": 1}, stats
     finally:
-        eng.cfg.sync.direct = True
+        eng.engine = replace(eng.engine, direct=True)

@@ -23,7 +23,8 @@ from colocate_rl import loop  # noqa: E402
 from colocate_rl.session import start_session  # noqa: E402
 from colocate_rl.types import Sample  # noqa: E402
 
-from gpu_runs import run_cfg  # noqa: E402 - same folder
+from batches import build_engine  # noqa: E402
+from gpu_runs import planned, run_cfg  # noqa: E402 - same folder
 
 SHAPE = "qwen3-moe-tiny"  # 2 MoE layers, 4 experts, top-2
 
@@ -46,7 +47,6 @@ def hf_choices(path, batch) -> torch.Tensor:
 
 def test_engine_returns_the_experts_of_each_token(tiny_model):
     from colocate_rl.config import Config
-    from colocate_rl.rollout import RolloutEngine
 
     path = tiny_model(SHAPE)
     cfg = Config()
@@ -54,7 +54,7 @@ def test_engine_returns_the_experts_of_each_token(tiny_model):
     cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens, cfg.rollout.n = 32, 12, 3
     cfg.rollout.multiprocess = cfg.rollout.enforce_eager = cfg.rollout.routing_replay = True
     cfg.rollout.gpu_memory_utilization, cfg.rollout.kv_cache_memory_mb = 0.1, 256
-    eng = RolloutEngine(cfg)
+    eng = build_engine(cfg)
     try:
         prompts = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
         batch = eng.generate([Sample(prompt_ids=eng.tokenizer.encode(p)) for p in prompts], seed=1)
@@ -76,7 +76,7 @@ def session_cfg(tmp_path, model):
 
 
 def test_grpo_step_replays_and_replay_narrows_the_logprob_gap(tmp_path, tiny_model):
-    s = start_session(session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16")))
+    s = start_session(*planned(session_cfg(tmp_path, tiny_model(SHAPE, dtype="bfloat16"))))
     try:
         m = loop.step(s)
         s.step = 1

@@ -6,25 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from colocate_rl.config import Config, ModelConfig, resolve_fp32_residual
+from colocate_rl.config import Config, ModelConfig
 from colocate_rl.memory import activation_bytes
 from colocate_rl.models.registry import model_size, read_hf_config
 
-from batches import synthetic_batch
+from batches import actor_plan, synthetic_batch
 
 
 def census(path, dtype, fp32_residual=None):
-    """(the actor's Config, its census of one batch of 8 full rows of 24 tokens, that batch)."""
-    from colocate_rl.trainer import Actor
-
+    """(the actor's plan, its census of one batch of 8 full rows of 24 tokens, that batch)."""
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.fp32_residual = fp32_residual
-    actor = Actor(cfg)
+    plan = actor_plan(cfg)
+    actor = plan.build().make_actor()
     batch = synthetic_batch([24] * 8, vocab=320, seed=0)
     before = actor.weight_checksums()
     groups = actor.activation_census(batch)
     assert actor.weight_checksums() == before  # a census runs no optimizer step
-    return cfg, groups, batch
+    return plan, groups, batch
 
 
 def layer_bytes(groups: dict) -> int:
@@ -35,12 +34,12 @@ def layer_bytes(groups: dict) -> int:
                                          ("qwen3-moe-tiny", "bfloat16")])
 def test_plan_counts_each_layers_saved_activations(tiny_model, shape, dtype):
     path = tiny_model(shape)
-    cfg, groups, batch = census(path, dtype)  # bf16: the residual stream in fp32 (unset)
+    plan, groups, batch = census(path, dtype)  # bf16: the residual stream in fp32 (unset)
     hf = read_hf_config(path)
     tokens, layers, element = batch.tokens.numel(), hf["num_hidden_layers"], 4 if dtype == "float32" else 2
     in_layers = layer_bytes(groups)
     assert in_layers > 0 and "<loss>" in groups, groups
-    residual = 4 if resolve_fp32_residual(cfg) else element
+    residual = 4 if plan.resolved.kernels.fp32_residual else element
     planned, head = activation_bytes(model_size(hf), tokens, element_bytes=element, residual_bytes=residual)
     ratio = in_layers / layers / planned
     assert 0.9 <= ratio <= 1.1, f"{shape} {dtype}: a layer keeps {ratio:.2f}x what the plan counts: {groups}"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from colocate_rl.config import Config, ModelConfig
 from colocate_rl.types import RolloutBatch
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 SHAPES = ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"]
 
@@ -26,8 +26,6 @@ def make_batch(vocab: int = 320, pad_to: int = 0, seed: int = 0) -> RolloutBatch
 
 
 def make_actor(path, dtype="float32", algorithm=None, **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr = 1e-3
     cfg.actor.micro_batch_size = 4  # 6 rows -> micro-batches of 4 and 2
@@ -35,7 +33,7 @@ def make_actor(path, dtype="float32", algorithm=None, **actor):
         setattr(cfg.actor, k, v)
     for k, v in (algorithm or {}).items():
         setattr(cfg.algorithm, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def hf_logprobs(path, batch: RolloutBatch) -> torch.Tensor:
@@ -163,7 +161,7 @@ def test_policy_loss_by_name_trains(tiny_model, loss):
     want = {
         "gspo": -w * adv.mean(),  # 1/G Σ_i s_i A_i, s_i = 1
         "cispo": -w * (adv[:, None] * lp.double())[mask].sum() / n.sum(),  # -Σ sg(r) A logp / tokens
-        "dr_grpo": -w * (adv * n).sum() / (actor.cfg.rollout.max_response_tokens * len(adv)),
+        "dr_grpo": -w * (adv * n).sum() / (actor.sampling.max_response_tokens * len(adv)),
     }[loss]
     assert math.isfinite(m["loss"]) and m["loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-6), m
     assert m["grad_norm"] > 0 and m["update_skipped"] == 0 and m["clip_frac"] == 0

@@ -16,7 +16,7 @@ import torch
 from colocate_rl.ports import reserve_port
 from colocate_rl.weight_sync.broadcast import BroadcastGroup, BroadcastTimeout, GroupSpec
 from colocate_rl.weight_sync.buckets import pack, unpack
-from colocate_rl.weight_sync.fp8 import quantize_named
+from colocate_rl.weight_sync.quantize import quantize_named
 from colocate_rl.weight_sync.ipc import WeightSyncError
 
 
@@ -45,7 +45,7 @@ def test_round_trip_many_buckets_and_fp8():
     named = [(f"layers.{i}.w", torch.randn(64, 256, generator=g)) for i in range(6)]
     named += [("norm", torch.randn(64, generator=g).to(torch.bfloat16)),
               ("proj.weight", torch.randn(256, 128, generator=g))]
-    expected = dict(quantize_named(iter(named), {"proj.weight"}))
+    expected = dict(quantize_named(iter(named), {"proj.weight": "fp8_block"}))
     spec = _spec("roundtrip")
     received: dict[str, torch.Tensor] = {}
 
@@ -58,7 +58,7 @@ def test_round_trip_many_buckets_and_fp8():
 
     th, out = _in_thread(receiver)
     sender = BroadcastGroup(spec, 0)
-    stats = sender.send(pack(quantize_named(iter(named), {"proj.weight"}), bucket_mb=0.1))
+    stats = sender.send(pack(quantize_named(iter(named), {"proj.weight": "fp8_block"}), bucket_mb=0.1))
     th.join(30)
     sender.close()
     assert "error" not in out, out.get("error")

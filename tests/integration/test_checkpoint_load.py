@@ -18,7 +18,7 @@ import torch
 from colocate_rl import checkpoint as ck
 from colocate_rl.config import Config, ConfigError, ModelConfig, to_dict
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 
 class Payload:
@@ -46,11 +46,9 @@ def same(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def actor(tiny_model):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(tiny_model("qwen3-tiny"))))
     cfg.actor.lr = 1e-2  # every step moves every weight visibly
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def saved_twice(actor, root) -> tuple[ck.CheckpointStore, list[str], dict, dict]:

@@ -9,7 +9,7 @@ import torch
 
 from colocate_rl.config import Config, ModelConfig
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 
 def make_batch():
@@ -17,11 +17,9 @@ def make_batch():
 
 
 def actor(path: str, tp: int):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=path, dtype="float32"))
     cfg.actor.lr, cfg.actor.micro_batch_size, cfg.actor.tp = 1e-3, 2, tp
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def step(a, batch) -> dict:

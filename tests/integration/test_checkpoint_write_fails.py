@@ -19,7 +19,7 @@ from colocate_rl.config import Config, ModelConfig
 from colocate_rl.memory import checkpoint_bytes
 from colocate_rl.models.registry import model_size, read_hf_config
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 
 def train_step(actor) -> float:
@@ -30,11 +30,9 @@ def train_step(actor) -> float:
 
 
 def test_checkpoint_size_is_predicted_and_a_full_disk_keeps_the_run(tiny_model, tmp_path):
-    from colocate_rl.trainer import Actor
-
     path = tiny_model("qwen3-tiny")
     cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
-    actor = Actor(cfg)
+    actor = build_actor(cfg)
     train_step(actor)  # Adam's moments exist from the first step on
     lines: list[str] = []
     store = ck.CheckpointStore(tmp_path, keep=2, log=lines.append)
@@ -42,7 +40,7 @@ def test_checkpoint_size_is_predicted_and_a_full_disk_keeps_the_run(tiny_model, 
     first = store.save(1, actor.save_checkpoint, state)
     assert first is not None
     written = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
-    predicted = checkpoint_bytes(cfg, model_size(read_hf_config(path)))
+    predicted = checkpoint_bytes(cfg.model, cfg.actor, cfg.algorithm, model_size(read_hf_config(path)))
     assert 0.75 < written / predicted < 1.25, (written, predicted)
 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from colocate_rl.rollout.copy_plan import CopyPlan
 from colocate_rl.rollout.engine import RolloutEngine
 from colocate_rl.weight_sync.buckets import Bucket, TensorMeta, unpack
+from batches import build_engine
 from test_rollout import make_cfg
 
 
@@ -57,7 +58,7 @@ def _bucket(ckpt: dict[str, torch.Tensor], seed: int) -> Bucket:
 def test_replayed_copies_equal_load_weights(tiny_model, shape):
     path = tiny_model(shape)
     ckpt = load_file(str(path / "model.safetensors"))
-    with RolloutEngine(make_cfg(path), multiprocess=False) as engine:
+    with build_engine(make_cfg(path), multiprocess=False) as engine:
         model = _model(engine)
         plan = CopyPlan(model, lambda named: model.load_weights(iter(named)))
         for seed in range(3):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -14,7 +15,7 @@ from colocate_rl import loop
 from colocate_rl.rollout.buffer import load_rollout_fn
 from colocate_rl.session import start_session
 
-from test_loop import tiny_cfg  # noqa: E402 - same folder
+from test_loop import planned, tiny_cfg  # noqa: E402 - same folder
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray start and three processes importing vLLM / megatron-core: ~60 s for the module
@@ -26,7 +27,7 @@ def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, eve
     over = {"placement.mode": "disaggregated", "rollout.off_policy": "true", "reward.name": "test_even_length",
             "steps": "3", "sft.steps": "2", "eval.every": "3", "eval.sets": "[arithmetic]", "checkpoint.every": "2"}
     try:
-        out = loop.run(tiny_cfg(tmp_path, tiny_model, **over))
+        out = loop.run(*planned(tiny_cfg(tmp_path, tiny_model, **over)))
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -39,7 +40,7 @@ def test_recipe_runs_disaggregated_one_step_off_policy(tmp_path, tiny_model, eve
 
     # The same run extended by one step resumes from step 3 (actor restored, weights broadcast).
     try:
-        out = loop.run(tiny_cfg(tmp_path, tiny_model, **{**over, "steps": "4"}))
+        out = loop.run(*planned(tiny_cfg(tmp_path, tiny_model, **{**over, "steps": "4"})))
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +53,7 @@ def session(tmp_path_factory, tiny_model, even_length_reward):
         "placement.mode": "disaggregated", "rollout.num_engines": "2", "actor.lr": "1e-3",
         "reward.name": "test_even_length", "sync.verify_every": "1", "sync.bucket_mb": "1",
         "rollout.max_model_len": "160"})
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     yield s
     s.close()
     ray.shutdown()
@@ -60,7 +61,7 @@ def session(tmp_path_factory, tiny_model, even_length_reward):
 
 def run_steps(s, k: int, off_policy: bool = False):
     """Yields the metrics of k steps run as loop.run runs them: none requested ahead at the end."""
-    s.cfg.rollout.off_policy = off_policy
+    s.plan.scheduling = replace(s.plan.scheduling, off_policy=off_policy)
     for i in range(k):
         yield loop.step(s, last=i == k - 1)
 
@@ -96,7 +97,7 @@ def test_every_engine_holds_the_actors_weights_after_each_sync(session):
 def test_router_keeps_each_prompt_group_on_one_engine(session):
     s = session
     samples = s.train_samples[:10]
-    pending = s.workers.rollout.submit(samples, n=3)
+    pending = s.workers.rollout.router.submit(samples, n=3)
     batch = pending.result()
     assert set(pending.engine_of.values()) == {0, 1}, "the load was spread over both engines"
     assert batch.size == 30 and batch.group_ids.tolist() == [i // 3 for i in range(30)]
@@ -139,7 +140,7 @@ def test_engine_lost_under_its_prompts_is_restarted_resynced_and_its_prompts_rei
     s, w = session, session.workers
     samples = s.train_samples[:16]
     w.kill_engine(0)
-    pending = w.rollout.submit(samples, n=4, max_tokens=40)
+    pending = w.rollout.router.submit(samples, n=4, max_tokens=40)
     batch = pending.result()
     assert pending.metrics["rollout/engine_restarts"] == 1 and pending.metrics["rollout/reissued_prompts"] > 0
     assert batch.size == 64 and [s_.prompt_ids for s_ in batch.samples[::4]] == [x.prompt_ids for x in samples]
@@ -151,8 +152,8 @@ def test_engine_lost_under_its_prompts_is_restarted_resynced_and_its_prompts_rei
 
 def test_engine_killed_while_idle_is_replaced_before_the_sync(session):
     s, w = session, session.workers
-    w.rollout.take_counts()
+    w.rollout.router.take_counts()
     w.kill_engine(1)  # between generations: the sync finds it, not the router
     stats = w.sync()
-    assert stats.bytes > 0 and w.rollout.take_counts()["rollout/engine_restarts"] == 1
+    assert stats.bytes > 0 and w.rollout.router.take_counts()["rollout/engine_restarts"] == 1
     assert w.verify() >= 3

@@ -13,7 +13,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from colocate_rl.config import Config, ModelConfig  # noqa: E402
 from colocate_rl.types import RolloutBatch  # noqa: E402
 
-from batches import synthetic_batch  # noqa: E402
+from batches import build_actor, synthetic_batch  # noqa: E402
 
 SHAPE = "deepseek-v4-tiny"
 
@@ -24,14 +24,15 @@ def make_batch(vocab: int = 320, seed: int = 0) -> RolloutBatch:
 
 
 def make_actor(path, **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype="float32"))
     cfg.actor.lr = 1e-3
     cfg.actor.micro_batch_size = 2
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    fp8_engine = cfg.actor.emulate_rollout_fp8  # the engine it emulates holds FP8 weights: a GPU run
+    if fp8_engine:
+        cfg.rollout.weight_quantization = "fp8"
+    return build_actor(cfg, gpu_run=fp8_engine)
 
 
 def reference_logprobs(path, batch: RolloutBatch) -> torch.Tensor:

@@ -13,15 +13,16 @@ from colocate_rl.types import Sample  # noqa: E402
 
 
 def test_transformers_rollout_matches_actor_and_takes_synced_weights(tiny_model):
+    from colocate_rl.plan import resolve
     from colocate_rl.rollout.hf_generate import TransformersRollout
-    from colocate_rl.trainer import Actor
 
     path = tiny_model("deepseek-v4-tiny")
     cfg = Config(model=ModelConfig(path=str(path), dtype="float32"))
     cfg.rollout.backend, cfg.rollout.n, cfg.rollout.max_response_tokens = "transformers", 3, 6
     cfg.actor.lr = 1e-2
-    rollout = TransformersRollout(cfg, str(path))
-    actor = Actor(cfg)
+    build = resolve(cfg).build()
+    rollout, actor = build.make_rollout(), build.make_actor()
+    assert isinstance(rollout, TransformersRollout)
     prompts = [Sample([5, 17, 40, 9]), Sample([33, 2, 8])]
     batch = rollout.generate(prompts, seed=7)
     assert batch.size == 6 and torch.equal(batch.group_ids, torch.tensor([0, 0, 0, 1, 1, 1]))

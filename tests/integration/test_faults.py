@@ -23,7 +23,7 @@ from colocate_rl.config import ConfigError
 from colocate_rl.metrics import read
 from colocate_rl.session import start_session
 
-from test_loop import tiny_cfg  # noqa: E402 - same folder
+from test_loop import planned, tiny_cfg  # noqa: E402 - same folder
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_reward_faults_are_counted_and_nan_updates_skipped_then_stop(tmp_path, t
         "reward.name": "fault_rewards:faulty", "reward.timeout_s": "1", "algorithm.advantage": unguarded_grpo,
         "steps": "6", "actor.max_nonfinite_in_row": "3", "checkpoint.at_end": "false"})
     with pytest.raises(FloatingPointError) as e:
-        loop.run(cfg)
+        loop.run(*planned(cfg))
     msg = str(e.value)
     assert "\n" not in msg and "3 updates in a row" in msg and "step 3" in msg, msg
     rows = read(tmp_path / "t/metrics.jsonl")
@@ -123,7 +123,7 @@ def test_engine_killed_at_every_phase_is_replaced_and_the_run_goes_on(tmp_path, 
             "data.max_prompt_tokens": "16", "steps": "8", "eval.every": "3", "eval.sets": "[arithmetic]",
             "checkpoint.every": "3", "checkpoint.keep": "3", "sync.verify_every": "1",
             "rollout.max_engine_restarts": "1", **ENGINE_CORE_RUNS_ITS_WORKER}
-    loop.run(tiny_cfg(tmp_path / "calm", tiny_model, **over))
+    loop.run(*planned(tiny_cfg(tmp_path / "calm", tiny_model, **over)))
     calm = rows_of(tmp_path / "calm" / "t" / "metrics.jsonl")
     assert sorted(calm) == list(range(9))
 
@@ -133,8 +133,8 @@ def test_engine_killed_at_every_phase_is_replaced_and_the_run_goes_on(tmp_path, 
     remove = faults.on(hook)
     try:
         ckpt = tmp_path / "calm" / "t" / "checkpoints" / "step_00000003"
-        out = loop.run(tiny_cfg(tmp_path / "rough", tiny_model, **over, **{"rollout.multiprocess": "true",
-                                                                          "checkpoint.resume": str(ckpt)}))
+        out = loop.run(*planned(tiny_cfg(tmp_path / "rough", tiny_model, **over, **{
+            "rollout.multiprocess": "true", "checkpoint.resume": str(ckpt)})))
     finally:
         remove()
     assert sorted(hook.killed) == sorted(kills), "every fault fired"
@@ -157,7 +157,7 @@ def test_model_folder_without_weights_stops_in_one_line(tmp_path, tiny_model):
     bare = tmp_path / "bare"
     shutil.copytree(tiny_model("qwen3-tiny"), bare, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(ConfigError, match=rf"^model.path={bare} has no weights \(no \*.safetensors files\)$"):
-        start_session(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(bare)}))
+        start_session(*planned(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(bare)})))
 
 
 def test_model_folder_without_architectures_stops_in_one_line(tmp_path, tiny_model):
@@ -170,7 +170,7 @@ def test_model_folder_without_architectures_stops_in_one_line(tmp_path, tiny_mod
     assert config.pop("architectures")
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=rf"^model.path={folder}: config.json has no 'architectures' "):
-        start_session(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(folder)}))
+        start_session(*planned(tiny_cfg(tmp_path, tiny_model, **{"model.path": str(folder)})))
 
 
 def test_tokenizer_that_does_not_fit_the_model_stops_in_one_line(tmp_path, tiny_model):
@@ -179,7 +179,7 @@ def test_tokenizer_that_does_not_fit_the_model_stops_in_one_line(tmp_path, tiny_
     tok_dir = tmp_path / "qwen3-tokenizer"
     build_qwen3_tokenizer().save_pretrained(str(tok_dir))  # 151k tokens vs the tiny model's few hundred
     with pytest.raises(ConfigError) as e:
-        start_session(tiny_cfg(tmp_path, tiny_model, **{"model.tokenizer": str(tok_dir)}))
+        start_session(*planned(tiny_cfg(tmp_path, tiny_model, **{"model.tokenizer": str(tok_dir)})))
     msg = str(e.value)
     assert "\n" not in msg and str(tok_dir) in msg and "vocab_size" in msg, msg
 

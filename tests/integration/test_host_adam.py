@@ -12,19 +12,17 @@ from safetensors.torch import load_file
 
 from colocate_rl.config import Config, ModelConfig
 
-from batches import grpo_step_view, synthetic_batch
+from batches import build_actor, grpo_step_view, synthetic_batch
 
 BATCH = dict(lens=[12, 9, 11, 6, 10, 7], seed=0)
 
 
 def make_actor(path, dtype="float32", **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype=dtype))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 4
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def steps(actor, n: int, batch=None) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -167,14 +165,12 @@ def two_ranks(path: str, moe_path: str, ckpt: str) -> dict:
     """At dp=2: one GRPO step with the plain and with the distributed host Adam (the distributed one
     saves a checkpoint after its step), and one with experts split over the two ranks (ep=2: expert
     parameters in Megatron's second optimizer, whose norm group differs from the dense one's)."""
-    from colocate_rl.trainer import Actor
-
     views = {"plain": grpo_step_view(path, dict(optimizer_cpu_offload=True), LENS),
              "ep2": grpo_step_view(moe_path, dict(optimizer_cpu_offload=True, ep=2), LENS)}
     cfg = Config(model=ModelConfig(path=path, dtype="float32"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
     cfg.actor.optimizer_cpu_offload = cfg.actor.distributed_optimizer = True
-    actor = Actor(cfg)
+    actor = build_actor(cfg)
     batch = synthetic_batch(LENS, seed=1)
     before = actor.compute_logprobs(batch)
     batch.rollout_logprobs = torch.where(batch.loss_mask, before, 0)

@@ -12,6 +12,7 @@ from colocate_rl import loop
 from colocate_rl.cli import preset_config
 from colocate_rl.config import load
 from colocate_rl.memory import IllegalTransition, Phase
+from colocate_rl.plan import resolve
 from colocate_rl.session import start_session
 from colocate_rl.weight_sync.verify import tensor_checksum
 
@@ -32,12 +33,17 @@ def tiny_cfg(tmp_path, tiny_model, **over):
     return load(base, overrides=[f"{k}={v}" for k, v in args.items()])
 
 
+def planned(cfg):
+    """(cfg, the plan resolved from it): what loop.run and start_session take."""
+    return cfg, resolve(cfg)
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory, tiny_model, even_length_reward):
     # actor.offload=all: every part leaves the device and comes back each step (on CPU the plan would
     # move nothing), so the staged cycle is exercised with real copies.
-    s = start_session(tiny_cfg(tmp_path_factory.mktemp("loop"), tiny_model,
-                               **{"actor.lr": "1e-3", "reward.name": "test_even_length", "actor.offload": "all"}))
+    s = start_session(*planned(tiny_cfg(tmp_path_factory.mktemp("loop"), tiny_model, **{
+        "actor.lr": "1e-3", "reward.name": "test_even_length", "actor.offload": "all"})))
     yield s
     s.close()
 
@@ -83,7 +89,7 @@ def test_short_run_improves_held_out_accuracy(tmp_path, tiny_model):
     cfg = tiny_cfg(tmp_path, tiny_model, **{"model.path": str(tmp_path / "m"), "model.synthesize": "qwen3-small",
                                             "data.prompts_per_step": "32", "rollout.n": "8", "sft.steps": "60",
                                             "eval.every": "20", "steps": "60"})
-    out = loop.run(cfg)
+    out = loop.run(*planned(cfg))
     rows = [json.loads(l) for l in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert out["steps"] == 60 and len(acc) == 4
@@ -96,7 +102,7 @@ def test_warm_start_stops_at_its_accuracy(tmp_path, tiny_model):
     step 0's row says where it stopped, beside the held-out accuracy it left."""
     cfg = tiny_cfg(tmp_path, tiny_model, **{"model.path": str(tmp_path / "m"), "model.synthesize": "qwen3-small",
                                             "sft.steps": "300", "sft.stop_at_accuracy": "0.25", "eval.every": "1"})
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     try:
         loop.prepare(s)
     finally:
@@ -109,7 +115,8 @@ def test_warm_start_stops_at_its_accuracy(tmp_path, tiny_model):
 def test_parity_at_sampling_temperature(tmp_path, tiny_model, even_length_reward):
     """At temperature != 1 the sampler reports logprobs after temperature (processed_logprobs) and
     the actor divides its logits by the same temperature: the two must still agree."""
-    s = start_session(tiny_cfg(tmp_path, tiny_model, **{"rollout.temperature": "0.7", "reward.name": "test_even_length"}))
+    s = start_session(*planned(tiny_cfg(tmp_path, tiny_model, **{"rollout.temperature": "0.7",
+                                                                 "reward.name": "test_even_length"})))
     try:
         m = loop.step(s)
         assert m["train_rollout_logprob_abs_diff"] <= 1e-4, m["train_rollout_logprob_abs_diff"]

@@ -34,7 +34,7 @@ from colocate_rl.metrics import read
 from colocate_rl.placement.nodes import FolderNotShared, ProcessLost, check_shared_folder, short
 from colocate_rl.session import start_session
 
-from test_loop import tiny_cfg  # noqa: E402 - same folder
+from test_loop import planned, tiny_cfg  # noqa: E402 - same folder
 
 ray = pytest.importorskip("ray")
 # ~2.5-3.5 min on 2 cores (by the machine's load): five raylets, two colocated sessions of four
@@ -83,7 +83,7 @@ def test_colocated_two_nodes_then_a_node_lost_mid_step_and_the_run_resumes(clust
     free_nodes(cluster, 2)
     over = {"placement.nnodes": "2", "actor.lr": "1e-3", "reward.name": even_length_reward,
             "sync.verify_every": "1", "checkpoint.every": "1", "steps": "2"}
-    s = start_session(tiny_cfg(tmp_path, tiny_model, **over))
+    s = start_session(*planned(tiny_cfg(tmp_path, tiny_model, **over)))
     try:
         w = s.workers
         procs = w.processes()
@@ -135,7 +135,7 @@ def test_colocated_two_nodes_then_a_node_lost_mid_step_and_the_run_resumes(clust
     # Run again: a replacement node has joined; the run resumes from its step-1 checkpoint.
     free_nodes(cluster, 2)
     capsys.readouterr()
-    out = loop.run(tiny_cfg(tmp_path, tiny_model, **over))
+    out = loop.run(*planned(tiny_cfg(tmp_path, tiny_model, **over)))
     assert "resumed from" in capsys.readouterr().out
     rows = read(tmp_path / "t" / "metrics.jsonl")
     assert out["steps"] == 2 and [r["step"] for r in rows] == [1, 2]
@@ -145,10 +145,10 @@ def test_colocated_two_nodes_then_a_node_lost_mid_step_and_the_run_resumes(clust
 
 def test_disaggregated_two_actor_nodes_one_rollout_node(cluster, tmp_path, tiny_model, even_length_reward):
     free_nodes(cluster, 3)
-    s = start_session(tiny_cfg(tmp_path, tiny_model, **{
+    s = start_session(*planned(tiny_cfg(tmp_path, tiny_model, **{
         "placement.mode": "disaggregated", "placement.nnodes": "3", "placement.actor_nodes": "2",
         "placement.rollout_nodes": "1", "actor.lr": "1e-3", "reward.name": even_length_reward,
-        "sync.verify_every": "1"}))
+        "sync.verify_every": "1"})))
     try:
         w = s.workers
         m = loop.step(s, last=True)  # generate on the rollout node, train on both actor nodes, broadcast

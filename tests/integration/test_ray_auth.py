@@ -4,7 +4,7 @@ services, a driver given the token file through placement.ray_token_file runs wo
 dashboard's Jobs API (where this Ray install has one) refuses an unauthenticated submission over
 HTTP and accepts one that carries the token; the token file is 0600 and its text shows in no output,
 log, command line or environment; `stop` leaves nothing of the node running. The local instance a run
-starts (placement/ray_colocated.start_ray without placement.ray_address) admits only its own token
+starts (placement/ray_tools.start_ray without placement.ray_address) admits only its own token
 too, kept in a 0600 file of the run's cache, and Ray writes nothing under $HOME.
 
 Without the dashboard's dependencies (`ray[default]`: aiohttp_cors, grpcio, opencensus, ...) Ray runs
@@ -160,13 +160,11 @@ print("JOINED", ray.get(ray.remote(lambda: 6 * 7).remote()))
 DRIVER = """
 import sys, ray
 from ray._raylet import get_authentication_mode
-from colocate_rl.config import Config
-from colocate_rl.placement.ray_colocated import start_ray
+from colocate_rl.config import PlacementConfig
+from colocate_rl.placement.ray_tools import start_ray
 
 assert get_authentication_mode() == 0, "disabled"
-cfg = Config()
-cfg.placement.ray_address, cfg.placement.ray_token_file = sys.argv[1], sys.argv[2]
-start_ray(cfg)
+start_ray(PlacementConfig(ray_address=sys.argv[1], ray_token_file=sys.argv[2]))
 print("JOINED", ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources().get("CPU"))
 ray.shutdown()
 """
@@ -253,10 +251,10 @@ def test_stop_leaves_nothing_running(head):
 # The project's driver starting a local instance: says where it is, then keeps it up until its stdin closes.
 LOCAL = """
 import json, os, sys, ray
-from colocate_rl.config import Config
-from colocate_rl.placement.ray_colocated import start_ray
+from colocate_rl.config import PlacementConfig
+from colocate_rl.placement.ray_tools import start_ray
 
-start_ray(Config())
+start_ray(PlacementConfig())
 print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "token_file": os.environ["RAY_AUTH_TOKEN_PATH"],
                   "logs": ray._private.worker._global_node.get_logs_dir_path(),
                   "answer": ray.get(ray.remote(lambda: 6 * 7).remote())}), flush=True)

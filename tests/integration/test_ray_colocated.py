@@ -13,7 +13,7 @@ from colocate_rl.memory import Phase
 from colocate_rl.session import start_session
 
 from test_faults import KillEngineAt  # noqa: E402 - same folder
-from test_loop import CYCLE, tiny_cfg  # noqa: E402 - same folder
+from test_loop import CYCLE, planned, tiny_cfg  # noqa: E402 - same folder
 
 
 @pytest.mark.slow  # ~60 s: Ray start, three processes each importing vLLM / megatron-core
@@ -21,7 +21,7 @@ def test_two_ranks_through_ray(tmp_path, tiny_model, even_length_reward):
     ray = pytest.importorskip("ray")
     cfg = tiny_cfg(tmp_path, tiny_model, **{"placement.launcher": "ray", "actor.dp": "2", "actor.lr": "1e-3",
                                             "reward.name": "test_even_length", "sync.verify_every": "1"})
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     try:
         for _ in range(2):
             start = len(s.handoff.machine.history)

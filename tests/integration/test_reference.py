@@ -10,20 +10,18 @@ import torch
 
 from colocate_rl.config import Config, ModelConfig
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 LENS = [12, 9, 11, 6, 10, 7]
 
 
 def make_actor(path, kl_coef: float, **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype="float32"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 4
     cfg.algorithm.kl_coef = kl_coef
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg)
 
 
 def start(actor, seed: int = 0):

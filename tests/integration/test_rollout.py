@@ -13,6 +13,8 @@ import torch
 from colocate_rl.config import Config
 from colocate_rl.types import Sample
 
+from batches import build_engine
+
 PROMPTS = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
 
 
@@ -41,9 +43,7 @@ def max_diff(model, batch) -> float:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from colocate_rl.rollout import RolloutEngine
-
-    eng = RolloutEngine(make_cfg(tiny_model("qwen3-tiny")), multiprocess=False)
+    eng = build_engine(make_cfg(tiny_model("qwen3-tiny")), multiprocess=False)
     yield eng
     eng.shutdown()
 

@@ -18,7 +18,7 @@ import torch
 from colocate_rl.config import Config, ModelConfig
 from colocate_rl.types import RolloutBatch
 
-from batches import synthetic_batch
+from batches import build_actor, synthetic_batch
 
 CASES = {  # shape -> (rows' lengths, actor overrides)
     "qwen3-moe-tiny": ([12, 9, 11, 6, 10, 7], {}),
@@ -27,14 +27,12 @@ CASES = {  # shape -> (rows' lengths, actor overrides)
 
 
 def make_actor(path, replay: bool, **actor):
-    from colocate_rl.trainer import Actor
-
     cfg = Config(model=ModelConfig(path=str(path), dtype="float32"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-3, 2
     cfg.rollout.routing_replay = replay
     for k, v in actor.items():
         setattr(cfg.actor, k, v)
-    return Actor(cfg)
+    return build_actor(cfg, gpu_run=replay)  # the plan keeps routing replay to GPU runs (vLLM's sampler)
 
 
 def moe_layers(actor) -> list:

@@ -37,13 +37,14 @@ def workers(request, tmp_path_factory, tiny_model):
     """The local placement's workers (actor and engine) for one model shape, synced once; the qwen3-tiny
     ones are shared by both tests."""
     from colocate_rl.placement.local import launch
+    from colocate_rl.plan import resolve
 
     shape = request.param
     cfg = tiny_cfg(tmp_path_factory.mktemp(shape), tiny_model, **{"model.path": str(tiny_model(shape)),
                                                                    **SHAPES[shape]})
-    w = launch(cfg)
+    w = launch(cfg.placement, resolve(cfg).build())
     try:
-        w.actor.onload()  # the placement starts it offloaded, for the engine's start
+        w.actor.onload()  # what the plan offloaded for the engine's start comes back
         w.sync(1)
         yield cfg, w
     finally:

@@ -19,6 +19,7 @@ from colocate_rl.types import Sample
 from colocate_rl.weight_sync.ipc import IpcSender, WeightSyncError
 from colocate_rl.weight_sync.verify import tensor_checksum
 
+from batches import build_engine
 from test_rollout import PROMPTS, _perturbed, make_cfg, max_diff
 
 # Each engine start is a fresh spawned interpreter importing vLLM: 15-45 s on 2 busy cores.
@@ -28,11 +29,9 @@ TOL = 1e-4
 
 
 def _engine(path, **engine_kwargs):
-    from colocate_rl.rollout import RolloutEngine
-
     cfg = make_cfg(path)
     cfg.rollout.multiprocess = True
-    return RolloutEngine(cfg, **engine_kwargs)
+    return build_engine(cfg, **engine_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +168,11 @@ def test_tp2_engine_checksums_add_up_vocab_shards(tiny_model, monkeypatch):
     descriptor to one receiving process only; on GPU every worker opens its own CUDA IPC handle.)"""
     from safetensors.torch import load_file
 
-    from colocate_rl.rollout import RolloutEngine
-
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU workers want a NUMA node each, else a core each
     path = tiny_model("qwen3-tiny")
     cfg = make_cfg(path)
     cfg.rollout.multiprocess, cfg.rollout.tensor_parallel_size = True, 2
-    eng = RolloutEngine(cfg)
+    eng = build_engine(cfg)
     try:
         assert eng.num_workers == 2
         tensors = load_file(str(path / "model.safetensors"))

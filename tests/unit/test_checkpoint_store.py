@@ -130,15 +130,14 @@ def test_space_warning_when_the_disk_cannot_hold_the_kept_checkpoints(tmp_path):
 
 
 def test_copies_on_disk_counts_kept_and_in_flight_checkpoints():
-    from colocate_rl.config import Config
+    from colocate_rl.config import CheckpointConfig
 
-    cfg = Config()
-    cfg.steps, cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.at_end = 100, 10, 2, True
-    assert ck.copies_on_disk(cfg) == 3  # two kept while the third is written
-    cfg.checkpoint.keep = 0  # keep all: 10 periodic and the last
-    assert ck.copies_on_disk(cfg) == 11
-    cfg.checkpoint.every, cfg.checkpoint.at_end = 0, False
-    assert ck.copies_on_disk(cfg) == 0
+    c = CheckpointConfig(every=10, keep=2, at_end=True)
+    assert ck.copies_on_disk(c, steps=100) == 3  # two kept while the third is written
+    c.keep = 0  # keep all: 10 periodic and the last
+    assert ck.copies_on_disk(c, steps=100) == 11
+    c.every, c.at_end = 0, False
+    assert ck.copies_on_disk(c, steps=100) == 0
 
 
 

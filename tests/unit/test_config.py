@@ -3,6 +3,7 @@ import json
 import pytest
 
 from colocate_rl.config import Config, ConfigError, ModelConfig, load, split_cli, to_yaml
+from colocate_rl.plan import resolve
 
 
 def base(**kw) -> Config:
@@ -10,8 +11,9 @@ def base(**kw) -> Config:
 
 
 def err(overrides, base_cfg=None, files=()):
+    """The one line a bad config stops with: at load (a field), or in its plan (between fields)."""
     with pytest.raises(ConfigError) as e:
-        load(base_cfg or base(), files=list(files), overrides=overrides)
+        resolve(load(base_cfg or base(), files=list(files), overrides=overrides))
     msg = str(e.value)
     assert "\n" not in msg, "config errors are one line"
     return msg
@@ -65,7 +67,7 @@ def test_parallel_layout_must_match_gpus():
     msg = err(["placement.gpus_per_node=8", "actor.tp=3"])
     assert "actor.tp=3" in msg and "8 actor GPUs" in msg
     assert "actor.dp=3" in err(["placement.gpus_per_node=8", "actor.tp=2", "actor.dp=3"])
-    load(base(), overrides=["placement.gpus_per_node=8", "actor.tp=2", "actor.pp=2", "actor.dp=2"])
+    resolve(load(base(), overrides=["placement.gpus_per_node=8", "actor.tp=2", "actor.pp=2", "actor.dp=2"]))
 
 
 def plan_err(overrides, model: dict, tmp_path) -> str:
@@ -103,12 +105,14 @@ def test_local_launcher_with_several_ranks_stops_before_loading():
 
 
 def test_gpus_per_node_minus_one_is_this_machines_gpus(monkeypatch):
-    from colocate_rl import config as C
+    from colocate_rl import platform
+    from colocate_rl.placement.base import layout
 
-    monkeypatch.setattr(C, "machine_gpus", lambda: 2)
+    monkeypatch.setattr(platform, "machine_gpus", lambda: 2)
     cfg = load(base(), overrides=["placement.gpus_per_node=-1"])
-    assert cfg.placement.gpus_per_node == 2 and C.layout(cfg).actor_gpus == 2  # printed as the count
-    monkeypatch.setattr(C, "machine_gpus", lambda: 0)
+    assert cfg.placement.gpus_per_node == 2  # printed as the count
+    assert layout(cfg.placement, cfg.actor, cfg.rollout).actor_gpus == 2
+    monkeypatch.setattr(platform, "machine_gpus", lambda: 0)
     assert load(base(), overrides=["placement.gpus_per_node=-1"]).placement.gpus_per_node == 0
     assert load(base(), overrides=["placement.gpus_per_node=0"]).placement.gpus_per_node == 0
 
@@ -155,7 +159,7 @@ def test_every_config_field_is_read_by_the_code():
         read |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and id(n) not in called}
     fields = [(cls.__name__, f.name) for cls in vars(C).values()
               if dataclasses.is_dataclass(cls) and isinstance(cls, type) and cls.__module__ == C.__name__
-              and cls is not C.Layout for f in dataclasses.fields(cls)]
+              for f in dataclasses.fields(cls)]
     assert len(fields) > 80 and ("ActorConfig", "offload") in fields  # the scan sees the whole tree
     unread = [f"{c}.{name}" for c, name in fields if name not in read and not dataclasses.is_dataclass(
         getattr(C, c).__dataclass_fields__[name].default_factory() if callable(
@@ -177,15 +181,15 @@ def test_colocated_with_split_pools():
 
 def test_disaggregated_split():
     ok = ["placement.mode=disaggregated", "placement.gpus_per_node=8", "placement.actor_gpus=4"]
-    load(base(), overrides=ok)
+    resolve(load(base(), overrides=ok))
     assert "placement.actor_gpus" in err(["placement.mode=disaggregated", "placement.gpus_per_node=8"])
     msg = err(["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
                "placement.actor_nodes=2", "placement.rollout_nodes=2"])
     assert "placement.nnodes=3" in msg
     # AMD's published DeepSeek-V4 layout: 2 actor nodes at TP4/PP4 (EP4), 1 rollout node at TP8.
-    load(base(), overrides=["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
-                            "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4",
-                            "actor.ep=4", "rollout.tensor_parallel_size=8"])
+    resolve(load(base(), overrides=["placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
+                                    "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4",
+                                    "actor.ep=4", "rollout.tensor_parallel_size=8"]))
 
 
 def test_reward_and_task_knobs():
@@ -238,7 +242,7 @@ def test_fp8_emulation_needs_an_fp8_engine_and_a_family_that_has_one(tmp_path):
 
 
 def test_an_error_as_one_line_names_it_even_without_a_message():
-    from colocate_rl.config import error_line, first_line
+    from colocate_rl.errors import error_line, first_line
 
     assert first_line(RuntimeError("store refused\nat tcp.cpp:12")) == "store refused"
     assert first_line(RuntimeError("  \n")) == "RuntimeError"  # NCCL/gloo errors can be empty

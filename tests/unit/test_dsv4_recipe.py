@@ -72,8 +72,10 @@ def test_presets_hold_the_published_values():
 def test_tiny_preset_validates_with_the_transformers_rollout():
     cfg = load(recipe().config("tiny"))
     assert cfg.rollout.backend == "transformers" and cfg.model.synthesize == "deepseek-v4-tiny"
+    from colocate_rl.plan import resolve
+
     with pytest.raises(ConfigError, match="rollout.backend=transformers samples in the actor's own process"):
-        load(recipe().config("tiny"), overrides=["placement.launcher=ray"])
+        resolve(load(recipe().config("tiny"), overrides=["placement.launcher=ray"]))
 
 
 def test_mini_preset_has_the_released_width_and_fits_two_h200s():

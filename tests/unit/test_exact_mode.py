@@ -1,4 +1,4 @@
-"""rollout.exact (models/exact.py): where it cannot be exact, the run stops at config time in one line;
+"""rollout.exact (models/exact.py): where it cannot be exact, the run stops in its plan in one line;
 the exact spec replaces every norm, the attention and the activation by vLLM's kernels; the engine's
 residual norm keeps vLLM's in-place contract."""
 
@@ -34,12 +34,13 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
              "rollout.exact=true runs a MoE block on one rank: actor.tp=1 and actor.ep=2")
     # Sums split over another number of ranks round differently; an fp32 residual stream, fused
     # logprobs and fused norms are not vLLM's.
-    one_line(lambda: cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2}), r"tensor_parallel_size \(1\) == actor.tp \(2\)")
-    one_line(lambda: cfg(**{"actor.fp32_residual": "true"}), "leave actor.fp32_residual unset or false")
-    one_line(lambda: cfg(**{"actor.logprob_kernel": "fused"}), "unset actor.logprob_kernel=fused")
-    one_line(lambda: cfg(**{"actor.norm_kernel": "fused"}), "unset actor.norm_kernel=fused")
+    one_line(lambda: plan.resolve(cfg(**{"placement.gpus_per_node": 2, "actor.tp": 2})),
+             r"tensor_parallel_size \(1\) == actor.tp \(2\)")
+    one_line(lambda: plan.resolve(cfg(**{"actor.fp32_residual": "true"})), "leave actor.fp32_residual unset or false")
+    one_line(lambda: plan.resolve(cfg(**{"actor.logprob_kernel": "fused"})), "unset actor.logprob_kernel=fused")
+    one_line(lambda: plan.resolve(cfg(**{"actor.norm_kernel": "fused"})), "unset actor.norm_kernel=fused")
     # FlashAttention 3 has no float32 kernels (the tiny CPU recipe's dtype).
-    one_line(lambda: cfg(**{"model.dtype": "float32"}), "needs model.dtype=bfloat16 or float16, not float32")
+    one_line(lambda: plan.resolve(cfg(**{"model.dtype": "float32"})), "needs model.dtype=bfloat16 or float16, not float32")
 
 
 def test_exact_spec_replaces_every_norm_attention_and_activation():

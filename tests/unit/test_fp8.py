@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from colocate_rl.weight_sync.buckets import pack, unpack
-from colocate_rl.weight_sync.fp8 import (
-    E4M3_MAX, dequantize_block_fp8, fp8_targets, quantize_block_fp8, quantize_named,
-)
+from colocate_rl.weight_sync.fp8 import E4M3_MAX, dequantize_block_fp8, quantize_block_fp8
+from colocate_rl.weight_sync.quantize import quantize_named, sync_plan
 
 
 def _ordinal(q: torch.Tensor) -> torch.Tensor:
@@ -49,10 +48,10 @@ def test_quantize_named_follows_the_engine_checkpoint_and_packs():
     engine = {"model.layers.0.mlp.down_proj.weight": (64, 256),
               "model.layers.0.mlp.down_proj.weight_scale_inv": (1, 2),
               "model.norm.weight": (64,)}
-    targets = fp8_targets(engine)
-    assert targets == {"model.layers.0.mlp.down_proj.weight"}
+    plan = sync_plan(engine)
+    assert plan == {"model.layers.0.mlp.down_proj.weight": "fp8_block"}
     named = [("model.layers.0.mlp.down_proj.weight", torch.randn(64, 256)), ("model.norm.weight", torch.ones(64))]
-    out = dict(quantize_named(iter(named), targets))
+    out = dict(quantize_named(iter(named), plan))
     assert {k: tuple(v.shape) for k, v in out.items()} == engine
     assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     # The same bucket format carries FP8: one bucket per dtype, round trip bit-exact.

@@ -57,18 +57,21 @@ def test_with_grouped_experts_swaps_only_a_moe_layers_experts():
 def test_which_runs_resolve_to_grouped_experts():
     """auto: grouped on a GPU for a 16-bit actor; never in exact mode or under the FP8 emulation
     (whose hooks on each expert's linears the grouped GEMMs would skip), which refuses an explicit
-    grouped in one line."""
-    from colocate_rl.config import Config, ConfigError, ModelConfig, grouped_experts, load
+    grouped in one line. The plan decides; the actor runs what it says."""
+    from colocate_rl.config import Config, ConfigError, ModelConfig, load
+    from colocate_rl.plan import resolve
 
-    def cfg(**over):
-        return load(Config(model=ModelConfig(path="Qwen/Qwen3-30B-A3B")),
-                    overrides=[f"{k}={v}" for k, v in {"model.dtype": "bfloat16", **over}.items()])
+    def experts(model="Qwen/Qwen3-30B-A3B", **over):
+        over = {"model.dtype": "bfloat16", "placement.gpus_per_node": 1, **over}
+        cfg = load(Config(model=ModelConfig(path=model)), overrides=[f"{k}={v}" for k, v in over.items()])
+        return resolve(cfg, strict=False).resolved.kernels.experts
 
-    assert grouped_experts(cfg(), on_gpu=True) and not grouped_experts(cfg(), on_gpu=False)
-    assert not grouped_experts(cfg(**{"model.dtype": "float32"}), on_gpu=True)
-    assert grouped_experts(cfg(**{"actor.expert_kernel": "grouped"}), on_gpu=False)
-    assert not grouped_experts(cfg(**{"actor.expert_kernel": "sequential"}), on_gpu=True)
-    fp8 = {"actor.emulate_rollout_fp8": "true", "rollout.weight_quantization": "fp8", "placement.gpus_per_node": 1}
-    assert not grouped_experts(cfg(**fp8), on_gpu=True)
+    cpu = {"placement.gpus_per_node": 0}
+    assert experts() == "grouped" and experts(**cpu) == "sequential"
+    assert experts(**{"model.dtype": "float32"}) == "sequential"
+    assert experts(**cpu, **{"actor.expert_kernel": "grouped"}) == "grouped"
+    assert experts(**{"actor.expert_kernel": "sequential"}) == "sequential"
+    fp8 = {"actor.emulate_rollout_fp8": "true", "rollout.weight_quantization": "fp8"}
+    assert experts("deepseek-ai/DeepSeek-V4-Flash", **fp8) == "sequential"
     with pytest.raises(ConfigError, match="unset actor.expert_kernel=grouped"):
-        cfg(**fp8, **{"actor.expert_kernel": "grouped"})
+        experts("deepseek-ai/DeepSeek-V4-Flash", **fp8, **{"actor.expert_kernel": "grouped"})

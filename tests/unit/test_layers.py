@@ -11,11 +11,11 @@ PKG = Path(__file__).resolve().parents[2] / "colocate_rl"
 
 # Top-level module or sub-package of colocate_rl -> layer.
 LAYERS = {
-    "types": 0, "config": 0, "platform": 0, "faults": 0, "ports": 0, "private": 0,
+    "types": 0, "config": 0, "resolved": 0, "errors": 0, "platform": 0, "faults": 0, "ports": 0, "private": 0,
     "algorithms": 1, "rewards": 1, "data": 1, "weight_sync": 1, "models": 1, "tools": 1,
     "trainer": 2, "rollout": 2,
-    "memory": 3, "checkpoint": 3, "eval": 3, "metrics": 3, "plan": 3, "handoff": 3,
-    "placement": 4, "session": 4,
+    "memory": 3, "eval": 3, "metrics": 3, "workers": 3, "handoff": 3,
+    "placement": 4, "plan": 4, "session": 4, "checkpoint": 4,
     "loop": 5, "cli": 5, "supervise": 5,
 }
 # Same-layer packages that must stay independent of each other.
@@ -108,3 +108,31 @@ def test_checker_catches_an_upward_import(tmp_path):
         PKG = saved
     assert any("trainer/bad.py" in b and "rollout" in b for b in bad)
     assert any("algorithms/bad.py" in b and "loop" in b for b in bad)
+
+
+def _back_imports(root: Path) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other (lazily too). A package's ``from pkg import sub`` is
+    an import of its submodule, not of the package's ``__init__``."""
+    names = {}
+    for p in root.rglob("*.py"):
+        name = ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        names[name] = p
+    graph = {}
+    for name, path in names.items():
+        deps = {m for m in _full_imports(path) if m in names and m != name}
+        graph[name] = {d for d in deps if not any(x.startswith(f"{d}.") for x in deps)}
+    return sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph.get(b, ())})
+
+
+def test_no_two_modules_import_each_other():
+    """A back-import (a module importing one that imports it, even inside a function) is a seam in the
+    wrong place: what they share belongs to one of them, or to a module below both."""
+    assert _back_imports(PKG) == []
+
+
+def test_back_import_checker_catches_a_pair(tmp_path):
+    pkg = tmp_path / "colocate_rl"
+    (pkg / "weight_sync").mkdir(parents=True)
+    (pkg / "weight_sync" / "fp8.py").write_text("def f():\n    from colocate_rl.weight_sync.quantize import plan\n")
+    (pkg / "weight_sync" / "quantize.py").write_text("from colocate_rl.weight_sync import fp8\n")
+    assert _back_imports(pkg) == [("colocate_rl.weight_sync.fp8", "colocate_rl.weight_sync.quantize")]

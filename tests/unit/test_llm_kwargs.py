@@ -6,13 +6,15 @@ import importlib.util
 import pytest
 
 from colocate_rl.config import Config, ModelConfig, load
+from colocate_rl.plan import resolve
 from colocate_rl.rollout.engine import llm_kwargs
 
 
 def kwargs(*overrides, eager=False, on_cpu=False, quantized=False):
-    gpus = [] if on_cpu else ["placement.gpus_per_node=2"]  # FP8 and R3 stop at config time on CPUs
-    cfg = load(Config(model=ModelConfig(path="m")), overrides=[*gpus, *overrides])
-    return llm_kwargs(cfg, "m", 512, eager=eager, on_cpu=on_cpu, quantized_checkpoint=quantized)
+    gpus = [] if on_cpu else ["placement.gpus_per_node=2"]  # FP8 and R3 stop in the plan on CPUs
+    plan = resolve(load(Config(model=ModelConfig(path="m")), overrides=[*gpus, *overrides]))
+    return llm_kwargs(plan.cfg.model, plan.engine, plan.sampling, plan.resolved, "m", eager=eager, on_cpu=on_cpu,
+                      quantized_checkpoint=quantized)
 
 
 def test_exact_mode_keeps_cuda_graphs_but_not_torch_compile():

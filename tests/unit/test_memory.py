@@ -3,11 +3,11 @@ the plans of real models at their published sizes (from their configs alone)."""
 
 import pytest
 
-from colocate_rl.config import Config, ModelConfig, layout, load, resolve_fp32_residual
-from colocate_rl.memory import (ACCELERATORS, IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine,
-                                plan_memory)
+from colocate_rl.config import Config, ModelConfig, load
+from colocate_rl.memory import IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine
 from colocate_rl.models.registry import model_size
 from colocate_rl.models.tiny import known_config
+from colocate_rl.plan import resolve
 
 CYCLE = [Phase.IDLE, Phase.ACTOR, Phase.ACTOR_PARAMS, Phase.SYNC, Phase.ROLLOUT_WEIGHTS, Phase.ROLLOUT]
 GiB = 2**30
@@ -56,11 +56,11 @@ def test_measured_usage_recorded():
     assert h.peak_used() == {"rollout": 1, "idle": 5, "actor": 9}
 
 
-def _plan(model: str, accelerator: str, **over):
-    base = Config(model=ModelConfig(path=model))
-    cfg = load(base, overrides=[f"{k}={v}" for k, v in {"placement.gpus_per_node": 8, "model.dtype": "bfloat16",
-                                                          **over}.items()])
-    return plan_memory(cfg, layout(cfg), model_size(known_config(model)), int(ACCELERATORS[accelerator] * 1e9))
+def _plan(model: str, accelerator: str, **over) -> MemoryPlan:
+    """The run's memory plan on 8 GPUs of ``accelerator`` (what does not fit is listed, not raised)."""
+    over = {"placement.gpus_per_node": 8, "model.dtype": "bfloat16", "placement.accelerator": accelerator, **over}
+    cfg = load(Config(model=ModelConfig(path=model)), overrides=[f"{k}={v}" for k, v in over.items()])
+    return resolve(cfg, strict=False).memory
 
 
 def test_auto_offloads_only_what_does_not_fit():
@@ -79,15 +79,16 @@ def test_fp32_residual_unset_follows_dtype_mode_and_family_and_is_counted():
     """Unset, actor.fp32_residual is on for a 16-bit actor only: off in fp32, in exact mode and for a
     family with its own residual (DeepSeek-V4's mHC streams); set, it is as set. The plan counts its
     fp32 layer inputs under full recompute: 2 more bytes per token and hidden unit and layer."""
-    def cfg(**over):
-        return load(Config(model=ModelConfig(path="m")), overrides=[f"{k}={v}" for k, v in over.items()])
+    def fp32(model="m", **over):
+        over = {"placement.gpus_per_node": 0, **over}
+        cfg = load(Config(model=ModelConfig(path=model)), overrides=[f"{k}={v}" for k, v in over.items()])
+        return resolve(cfg, strict=False).resolved.kernels.fp32_residual
 
-    assert resolve_fp32_residual(cfg()) and not resolve_fp32_residual(cfg(**{"model.dtype": "float32"}))
-    assert not resolve_fp32_residual(cfg(**{"rollout.exact": "true"}))
-    dsv4 = model_size(known_config("deepseek-ai/DeepSeek-V4-Flash"))
-    assert not resolve_fp32_residual(cfg(), family_allows=dsv4.fp32_residual)
-    assert not resolve_fp32_residual(cfg(**{"actor.fp32_residual": "false"}))
-    assert resolve_fp32_residual(cfg(**{"actor.fp32_residual": "true", "model.dtype": "float32"}))
+    assert fp32() and not fp32(**{"model.dtype": "float32"})
+    assert not fp32(**{"rollout.exact": "true", "placement.gpus_per_node": 1})
+    assert not fp32("deepseek-ai/DeepSeek-V4-Flash")
+    assert not fp32(**{"actor.fp32_residual": "false"})
+    assert fp32(**{"actor.fp32_residual": "true", "model.dtype": "float32"})
     over = {"actor.recompute": "true", "actor.micro_batch_size": 4}
     wide, narrow = (_plan("Qwen/Qwen3-8B", "h200", **over, **{"actor.fp32_residual": v}) for v in ("null", "false"))
     size = model_size(known_config("Qwen/Qwen3-8B"))
@@ -163,7 +164,7 @@ def test_a_run_this_node_cannot_hold_stops_before_loading(monkeypatch):
     from colocate_rl import plan as P
     from colocate_rl.config import ConfigError
 
-    monkeypatch.setattr(P.C, "machine_gpus", lambda: 1)
+    monkeypatch.setattr(P.platform, "machine_gpus", lambda: 1)
     monkeypatch.setattr(P, "device_summary", lambda cfg, lay: ("1 node(s) x 1 GPUs, test", int(139.8 * GiB)))
     page = 4096
     monkeypatch.setattr(P.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 96 * GiB // page)
@@ -215,8 +216,9 @@ def test_the_sync_counts_a_bucket_and_what_the_export_gathers():
 
     bucket = Config().sync.bucket_mb * 2**20
     for model, largest in (("Qwen/Qwen3-30B-A3B", 151936 * 2048 * 2), ("qwen3-small", 0)):
-        one = _plan(model, "h200", **{"placement.gpus_per_node": 1}).parts["sync_buckets"]
-        two = _plan(model, "h200", **{"placement.gpus_per_node": 2, "actor.tp": 2}).parts["sync_buckets"]
+        short = {"data.max_prompt_tokens": 128}  # within qwen3-small's context
+        one = _plan(model, "h200", **short, **{"placement.gpus_per_node": 1}).parts["sync_buckets"]
+        two = _plan(model, "h200", **short, **{"placement.gpus_per_node": 2, "actor.tp": 2}).parts["sync_buckets"]
         if largest:
             assert one == two == bucket + largest > bucket + RUN_BYTES, model
         else:

@@ -7,59 +7,63 @@ from __future__ import annotations
 
 import pytest
 
-from colocate_rl.config import Config, ConfigError, ModelConfig, layout, load
+from colocate_rl.config import Config, ConfigError, ModelConfig, load
+from colocate_rl.placement.disaggregated import pools
+from colocate_rl.plan import resolve
+from colocate_rl.resolved import Layout
 
 pytest.importorskip("ray")
-from colocate_rl.placement.disaggregated import pools  # noqa: E402 - needs ray
-from colocate_rl.placement.nodes import master_addr, network_env  # noqa: E402
-from colocate_rl.placement.ray_colocated import node_messages, rank_names, senders_by_node  # noqa: E402
+from colocate_rl.placement.nodes import master_addr, network_env  # noqa: E402 - needs ray
+from colocate_rl.placement.ray_colocated import node_messages, senders_by_node  # noqa: E402
+from colocate_rl.placement.ray_tools import rank_names  # noqa: E402
 
 
-def cfg(*overrides: str) -> Config:
-    return load(Config(model=ModelConfig(path="some/model")), overrides=list(overrides))
+def layout(*overrides: str) -> Layout:
+    """The plan's layout (ConfigError naming the field when it does not fit)."""
+    return resolve(load(Config(model=ModelConfig(path="some/model")), overrides=list(overrides))).layout
 
 
 def test_colocated_gpu_nodes_one_switch():
-    one = layout(cfg("placement.gpus_per_node=8", "rollout.tensor_parallel_size=2"))
-    two = layout(cfg("placement.gpus_per_node=8", "rollout.tensor_parallel_size=2", "placement.nnodes=2"))
+    one = layout("placement.gpus_per_node=8", "rollout.tensor_parallel_size=2")
+    two = layout("placement.gpus_per_node=8", "rollout.tensor_parallel_size=2", "placement.nnodes=2")
     assert (one.actor_gpus, one.engines, one.ranks_per_node, one.engines_per_node) == (8, 4, 8, 4)
     assert (two.actor_gpus, two.dp, two.engines, two.ranks_per_node, two.engines_per_node) == (16, 16, 8, 8, 4)
     assert (two.actor_nodes, two.rollout_nodes) == (2, 2)
 
 
 def test_cpu_nodes_hold_the_actor_ranks_evenly_and_one_engine_each():
-    two = layout(cfg("placement.gpus_per_node=0", "placement.nnodes=2"))  # dp derived: one rank per node
+    two = layout("placement.gpus_per_node=0", "placement.nnodes=2")  # dp derived: one rank per node
     assert (two.actor_gpus, two.dp, two.ranks_per_node, two.engines, two.engines_per_node) == (2, 2, 1, 2, 1)
-    four = layout(cfg("placement.gpus_per_node=0", "placement.nnodes=2", "actor.dp=4"))
+    four = layout("placement.gpus_per_node=0", "placement.nnodes=2", "actor.dp=4")
     assert (four.ranks_per_node, four.engines) == (2, 2)
-    one = layout(cfg("placement.gpus_per_node=0"))  # one node: as before
+    one = layout("placement.gpus_per_node=0")  # one node: as before
     assert (one.actor_gpus, one.engines, one.ranks_per_node) == (1, 1, 1)
     with pytest.raises(ConfigError, match=r"actor.dp=3 = 3 actor ranks do not split evenly over the 2 actor node"):
-        cfg("placement.gpus_per_node=0", "placement.nnodes=2", "actor.dp=3")
+        layout("placement.gpus_per_node=0", "placement.nnodes=2", "actor.dp=3")
 
 
 def test_disaggregated_nodes():
-    amd = layout(cfg("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
-                     "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4", "actor.ep=4",
-                     "rollout.tensor_parallel_size=8"))
+    amd = layout("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=8",
+                 "placement.actor_nodes=2", "placement.rollout_nodes=1", "actor.tp=4", "actor.pp=4", "actor.ep=4",
+                 "rollout.tensor_parallel_size=8")
     assert (amd.ranks_per_node, amd.engines, amd.engines_per_node, amd.actor_nodes) == (8, 1, 1, 2)
-    cpu = cfg("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=0",
-              "placement.actor_nodes=2", "placement.rollout_nodes=1")
-    lay, p = layout(cpu), pools(cpu)
+    lay = layout("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=0",
+                 "placement.actor_nodes=2", "placement.rollout_nodes=1")
+    p = pools(lay)
     assert (lay.actor_gpus, lay.ranks_per_node, lay.engines) == (2, 1, 1)
     assert p.per_node(p.actor, p.actor_nodes) == [[{"CPU": 1.0}], [{"CPU": 1.0}]] and not p.one_node
     with pytest.raises(ConfigError, match=r"rollout.num_engines=3 does not split evenly over "
                                           r"placement.rollout_nodes=2"):
-        cfg("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=0",
-            "placement.actor_nodes=1", "placement.rollout_nodes=2", "rollout.num_engines=3")
+        layout("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=0",
+               "placement.actor_nodes=1", "placement.rollout_nodes=2", "rollout.num_engines=3")
     with pytest.raises(ConfigError, match=r"placement.actor_nodes=0 and placement.rollout_nodes=2 must both be >= 1"):
-        cfg("placement.mode=disaggregated", "placement.nnodes=2", "placement.gpus_per_node=8",
-            "placement.actor_nodes=0", "placement.rollout_nodes=2")
+        layout("placement.mode=disaggregated", "placement.nnodes=2", "placement.gpus_per_node=8",
+               "placement.actor_nodes=0", "placement.rollout_nodes=2")
     # 3 engines of TP4 fill 2 nodes of 6 GPUs, but one of them would span both nodes.
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=4 does not divide the 6 GPUs of a node"):
-        cfg("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=6",
-            "placement.actor_nodes=1", "placement.rollout_nodes=2", "rollout.tensor_parallel_size=4",
-            "rollout.num_engines=3")
+        layout("placement.mode=disaggregated", "placement.nnodes=3", "placement.gpus_per_node=6",
+               "placement.actor_nodes=1", "placement.rollout_nodes=2", "rollout.tensor_parallel_size=4",
+               "rollout.num_engines=3")
 
 
 def test_each_node_merges_only_its_own_senders():

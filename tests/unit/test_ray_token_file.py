@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate_rl.config import Config, ConfigError
+from colocate_rl.config import ConfigError, PlacementConfig
 from colocate_rl.placement.ray_auth import TOKEN_FILE_ENV, cluster_token_file, default_token_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,10 +24,8 @@ def token(path: Path) -> Path:
     return path
 
 
-def cfg_with(token_file: str = "") -> Config:
-    cfg = Config()
-    cfg.placement.ray_address, cfg.placement.ray_token_file = "10.0.0.1:6379", token_file
-    return cfg
+def cfg_with(token_file: str = "") -> PlacementConfig:
+    return PlacementConfig(ray_address="10.0.0.1:6379", ray_token_file=token_file)
 
 
 def test_field_then_variable_then_the_scripts_default(tmp_path, monkeypatch):

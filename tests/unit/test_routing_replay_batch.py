@@ -187,9 +187,9 @@ def test_runs_that_cannot_replay_stop_in_one_line(tmp_path):
 
     cfg = Config(model=ModelConfig(path="Qwen/Qwen3-30B-A3B"))
     assert "vLLM's CPU build cannot return routed experts" in _one_line(
-        lambda: load(cfg, overrides=["rollout.routing_replay=true", "placement.gpus_per_node=0"]))
-    assert "rollout.backend=vllm" in _one_line(lambda: load(cfg, overrides=[
-        "rollout.routing_replay=true", "rollout.backend=transformers", "placement.gpus_per_node=1"]))
+        lambda: resolve(load(cfg, overrides=["rollout.routing_replay=true", "placement.gpus_per_node=0"])))
+    assert "rollout.backend=vllm" in _one_line(lambda: resolve(load(cfg, overrides=[
+        "rollout.routing_replay=true", "rollout.backend=transformers", "placement.gpus_per_node=1"])))
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({**SHAPES["qwen3-tiny"], "max_position_embeddings": 4096}))

@@ -122,9 +122,9 @@ def verify_names(hf: dict) -> list[str]:
 
 
 def emulate_fp8(model, hf: dict):
-    from colocate_rl.models.deepseek_v4.fp8_emulation import install
+    from colocate_rl.models.deepseek_v4.model import emulate_fp8_engine
 
-    return install(model, Hparams.from_official(hf).rope_dim)
+    return emulate_fp8_engine(model, Hparams.from_official(hf).rope_dim)
 
 
 def hf_model(path, dtype):

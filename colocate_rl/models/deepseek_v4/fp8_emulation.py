@@ -15,12 +15,11 @@ With this option the actor's forward applies the same roundings (vLLM's arithmet
 floored at 1e-4, scale 2^ceil(log2(amax / 448)), round to nearest e4m3), so the logprobs it trains
 on are those of the function the engine samples from. The backward is straight-through: each
 rounding passes its gradient unchanged, as quantisation-aware training does. Not emulated: the
-indexer's own FP8 scoring, the kernels' accumulation order.
+indexer's own FP8 scoring, the kernels' accumulation order. This module holds the roundings; which
+modules of the model take them is the model's (model.emulate_fp8_engine).
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 
@@ -28,16 +27,6 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 GEMM_GROUP = 128  # a GEMM input's scale covers this many channels of one token
 KV_GROUP = 64  # a cached key's scale covers this many of its non-rotary channels
-# Modules (below decoder.layers.N.) whose weight the released checkpoint holds as FP8 blocks: their
-# input is rounded. wo_a is an einsum inside the attention, not a module (Attention.fp8_inputs).
-FP8_LINEARS = re.compile(r"\.(self_attention\.(linear_q_down|linear_kv|linear_q_up|linear_proj|indexer\.linear_q_up)"
-                         r"|mlp\.shared_experts\.linear_fc[12])$")
-# Modules whose output vLLM caches: the K=V head's norm (RoPE only turns its trailing channels) and
-# the attention's compressor (its entries); not the indexer's compressor, whose keys have a cache
-# and a format of their own.
-CACHED_KEYS = re.compile(r"\.self_attention\.(kv_layernorm|compressor)$")
-
-
 def round_fp8(x: torch.Tensor, group: int, channels: int | None = None) -> torch.Tensor:
     """x [..., d] → the same shape and dtype: its first ``channels`` (default d) channels as vLLM
     stores them in e4m3 with one UE8M0 scale per ``group`` consecutive channels, scaled back; the
@@ -66,32 +55,3 @@ class _Rounded(torch.autograd.Function):
 def fp8_rounded(x: torch.Tensor, group: int, channels: int | None = None) -> torch.Tensor:
     """round_fp8 in the forward, the identity in the backward (straight-through)."""
     return _Rounded.apply(x, group, channels)
-
-
-def install(model: torch.nn.Module, rope_dim: int, gemm_inputs: bool = True, kv_cache: bool = True):
-    """Makes ``model``'s forward round as the FP8 engine does (the module docstring): the input of its
-    FP8 linears and of the attention's wo_a (``gemm_inputs``), the keys it caches (``kv_cache``).
-    Returns a function that takes the roundings out again. Raises if nothing matched (a renamed
-    module would otherwise round nothing)."""
-    from colocate_rl.models.deepseek_v4.model import Attention
-
-    hooks, attentions = [], []
-    for name, m in model.named_modules():
-        if gemm_inputs and FP8_LINEARS.search(name):
-            hooks.append(m.register_forward_pre_hook(lambda m, args: (fp8_rounded(args[0], GEMM_GROUP), *args[1:])))
-        elif kv_cache and CACHED_KEYS.search(name):
-            hooks.append(m.register_forward_hook(
-                lambda m, args, out: fp8_rounded(out, KV_GROUP, out.shape[-1] - rope_dim)))
-        elif gemm_inputs and isinstance(m, Attention):
-            m.fp8_inputs = True
-            attentions.append(m)
-    if not hooks and not attentions:
-        raise ValueError("actor.emulate_rollout_fp8: no DeepSeek-V4 module to round in this model")
-
-    def remove() -> None:
-        for h in hooks:
-            h.remove()
-        for m in attentions:
-            m.fp8_inputs = False
-
-    return remove

@@ -39,6 +39,7 @@ Parallelism:
 from __future__ import annotations
 
 import functools
+import re
 from typing import Optional
 
 import torch
@@ -48,7 +49,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from colocate_rl.models.deepseek_v4.config import Hparams, rope_inv_freq
-from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, fp8_rounded
+from colocate_rl.models.deepseek_v4.fp8_emulation import GEMM_GROUP, KV_GROUP, fp8_rounded
 from colocate_rl.models.deepseek_v4.ops import (apply_rope, hc_merge, hc_mix_weights, normed_linear,
                                                  rope_cos_sin, unweighted_rms_norm)
 from colocate_rl.models.norm import rms_norm_backward
@@ -313,7 +314,7 @@ class Attention(MegatronModule):
         self.compressor = Compressor(config, h, self.ratio, h.head_dim, overlap=self.ratio == 4) if self.ratio else None
         self.indexer = Indexer(config, h, self.ratio) if self.ratio == 4 else None
         self.query_chunk = QUERY_CHUNK
-        self.fp8_inputs = False  # round wo_a's input as an FP8 engine does (fp8_emulation.install)
+        self.fp8_inputs = False  # round wo_a's input as an FP8 engine does (emulate_fp8_engine)
 
     def _compress_cos_sin(self, positions, dtype):
         return rope_cos_sin(self.compress_inv_freq, positions, dtype)
@@ -604,3 +605,42 @@ class DeepseekV4Model(MegatronModule):
             return streams.flatten(2)
         logits, _ = self.output_layer(self.decoder.final_layernorm(self.decoder.hc_head(streams)))
         return logits.transpose(0, 1).contiguous()
+
+
+# ---------------------------------------------------------------- an FP8 engine's roundings (fp8_emulation.py)
+
+# Modules (below decoder.layers.N.) whose weight the released checkpoint holds as FP8 blocks: their
+# input is rounded. wo_a is an einsum inside the attention, not a module (Attention.fp8_inputs).
+FP8_LINEARS = re.compile(r"\.(self_attention\.(linear_q_down|linear_kv|linear_q_up|linear_proj|indexer\.linear_q_up)"
+                         r"|mlp\.shared_experts\.linear_fc[12])$")
+# Modules whose output vLLM caches: the K=V head's norm (RoPE only turns its trailing channels) and
+# the attention's compressor (its entries); not the indexer's compressor, whose keys have a cache
+# and a format of their own.
+CACHED_KEYS = re.compile(r"\.self_attention\.(kv_layernorm|compressor)$")
+
+
+def emulate_fp8_engine(model: torch.nn.Module, rope_dim: int, gemm_inputs: bool = True, kv_cache: bool = True):
+    """Makes ``model``'s forward round as the FP8 engine does (fp8_emulation.py): the input of its
+    FP8 linears and of the attention's wo_a (``gemm_inputs``), the keys it caches (``kv_cache``).
+    Returns a function that takes the roundings out again. Raises if nothing matched (a renamed
+    module would otherwise round nothing)."""
+    hooks, attentions = [], []
+    for name, m in model.named_modules():
+        if gemm_inputs and FP8_LINEARS.search(name):
+            hooks.append(m.register_forward_pre_hook(lambda m, args: (fp8_rounded(args[0], GEMM_GROUP), *args[1:])))
+        elif kv_cache and CACHED_KEYS.search(name):
+            hooks.append(m.register_forward_hook(
+                lambda m, args, out: fp8_rounded(out, KV_GROUP, out.shape[-1] - rope_dim)))
+        elif gemm_inputs and isinstance(m, Attention):
+            m.fp8_inputs = True
+            attentions.append(m)
+    if not hooks and not attentions:
+        raise ValueError("actor.emulate_rollout_fp8: no DeepSeek-V4 module to round in this model")
+
+    def remove() -> None:
+        for h in hooks:
+            h.remove()
+        for m in attentions:
+            m.fp8_inputs = False
+
+    return remove
