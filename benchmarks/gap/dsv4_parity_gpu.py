@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # batches.py builds the actor and engine
 
 from colocate_rl.models.deepseek_v4.synth import VLLM_SMALL as SHAPE  # noqa: E402
 
@@ -106,7 +106,8 @@ def sync_stage(cfg, actor, batch) -> dict:
     """The colocated path in one process: one GRPO step on the sampled batch, the actor's weights
     (official names) into an in-process vLLM engine through the IPC sync, a fresh sample, the gap
     again. A sync that loaded nothing would show as a gap of the size of the step."""
-    from colocate_rl.rollout import RolloutEngine
+    from batches import build_engine
+
     from colocate_rl.types import Sample
 
     cfg.actor.lr = 1e-4
@@ -116,7 +117,7 @@ def sync_stage(cfg, actor, batch) -> dict:
     before = actor.compute_logprobs(batch)
     m = actor.train_step(batch, before)
     moved = (actor.compute_logprobs(batch) - before).abs()[batch.loss_mask].mean().item()
-    engine = RolloutEngine(cfg, cfg.model.path)
+    engine = build_engine(cfg)
     try:
         stats_ = engine.update_weights(actor.export_hf_weights())
         fresh = engine.generate([Sample(p) for p in prompts()], n=N_SAMPLES, max_tokens=MAX_TOKENS, seed=5)
@@ -174,9 +175,9 @@ def measure(folder: Path, rows: list[dict], hf: dict, no_sync: bool, dev: torch.
     batch = RolloutBatch.from_rows([r["prompt"] for r in rows], [r["response"] for r in rows], samples, 0,
                                    response_logprobs=[r["logprobs"] for r in rows],
                                    finish_reasons=["length"] * len(rows), n=N_SAMPLES)
-    from colocate_rl.trainer import Actor
+    from batches import build_actor
 
-    actor = Actor(cfg)
+    actor = build_actor(cfg)
     t0 = time.perf_counter()
     train = actor.compute_logprobs(batch)
     score_s = time.perf_counter() - t0

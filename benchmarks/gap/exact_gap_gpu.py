@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. rollout.enforce_eager=false")
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+    from gpu_runs import planned
     from test_exact_gpu import session_cfg  # the GPU test's session: 32 prompts x 4, 96 tokens
 
     from colocate_rl.models.tiny import ensure_model
@@ -53,19 +55,20 @@ def main() -> None:
         from colocate_rl.config import load
 
         cfg = load(cfg, overrides=args.set)
-    s = start_session(cfg)
+    s = start_session(*planned(cfg))
     result = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                           "vllm": __import__("vllm").__version__}, "temperature": args.temperature}
     try:
         actor, samples = s.actor, s.train_samples[:8]
+        sampling = actor.sampling  # the actor runs in this process (placement.launcher=local)
 
         def actor_logprobs(batch, temperature):
             with s.handoff.actor_owned(changes_weights=False):
-                actor.cfg.rollout.temperature = temperature
+                actor.sampling = replace(sampling, temperature=temperature)
                 try:
                     return actor.compute_logprobs(batch)
                 finally:
-                    actor.cfg.rollout.temperature = args.temperature
+                    actor.sampling = sampling
 
         batch = s.rollout.generate(samples, seed=3)
         result["actor_vs_sampler"] = gap(actor_logprobs(batch, args.temperature), batch.rollout_logprobs,

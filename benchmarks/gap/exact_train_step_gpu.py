@@ -39,11 +39,10 @@ def main() -> None:
         raise SystemExit("exact_train_step_gpu.py needs a CUDA GPU (rollout.exact runs vLLM's CUDA kernels)")
 
     from actor_step import machine_info
-    from batches import synthetic_batch
+    from batches import build_actor, synthetic_batch
 
     from colocate_rl.config import Config, ModelConfig
     from colocate_rl.models.tiny import ensure_model
-    from colocate_rl.trainer import Actor
 
     path = ensure_model(a.shape, Path(tempfile.mkdtemp()) / a.shape, seed=0, dtype="bfloat16")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -52,7 +51,7 @@ def main() -> None:
     for exact in (False, True):
         cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
         cfg.rollout.exact, cfg.actor.micro_batch_size = exact, a.micro
-        actor = Actor(cfg)
+        actor = build_actor(cfg)
         actor.train_step(batch)  # warm-up: allocator, Triton and cuBLAS first calls
         torch.cuda.synchronize()
         t0 = time.perf_counter()

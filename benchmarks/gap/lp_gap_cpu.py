@@ -22,28 +22,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]  # common/; batches.py builds the fp32 actor
 from common.loop_overrides import loop_overrides  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULT = Path(__file__).resolve().parents[1] / "results" / "lp_gap_cpu.json"
 
 
 def job(fp32_residual: bool, steps: int, out: Path) -> None:
     import torch
+    from batches import build_actor
 
     from colocate_rl import loop
     from colocate_rl.config import Config, ModelConfig, load
     from colocate_rl.models.tiny import ensure_model
+    from colocate_rl.plan import resolve
     from colocate_rl.session import start_session
-    from colocate_rl.trainer import Actor
 
     root = Path(os.environ.get("COLOCATE_RL_CACHE", ROOT / ".cache"))
     path = ensure_model("qwen3-deep", root / "models" / "qwen3-deep")
     over = [*loop_overrides(path, root, f"lp_gap_{fp32_residual}", prompts=16, n=4, tokens=48, micro=16, gpus=0,
                             fp32_residual=str(fp32_residual).lower()), "eval.every=0", "checkpoint.at_end=false"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
-    s = start_session(cfg)
+    s = start_session(cfg, resolve(cfg))
     try:
         # One batch scored by this actor before any update, for the comparison with the fp32 actor.
         batch = s.buffer.generate(s.sampler.next_batch())
@@ -58,7 +59,7 @@ def job(fp32_residual: bool, steps: int, out: Path) -> None:
     finally:
         s.close()
     cfg32 = load(Config(model=ModelConfig(path=str(path))), overrides=[*over, "model.dtype=float32"])
-    fp32 = Actor(cfg32).compute_logprobs(batch)
+    fp32 = build_actor(cfg32).compute_logprobs(batch)
     mask = batch.loss_mask
     out.write_text(json.dumps({"gaps": gaps, "actor_bf16_vs_fp32_mean": float((bf16 - fp32)[mask].abs().mean()),
                                "tokens": int(mask.sum()), "torch": torch.__version__}))

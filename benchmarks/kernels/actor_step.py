@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform as py_platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = str(ROOT / "tests")  # batches.py builds the actor as a run would
 
 
 def build_model(out: Path, a) -> Path:
@@ -208,9 +210,11 @@ def main() -> None:
     p.add_argument("--optimizer-chunk-mb", type=int, default=256)
     a = p.parse_args()
 
+    sys.path.insert(0, TESTS)
+    from batches import build_actor
+
     from colocate_rl import platform
     from colocate_rl.config import Config, ModelConfig
-    from colocate_rl.trainer import Actor
 
     dev = platform.device()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
@@ -219,7 +223,7 @@ def main() -> None:
         cfg.actor.lr, cfg.actor.micro_batch_size = 1e-6, a.micro_batch
         cfg.actor.optimizer_cpu_offload = a.optimizer_cpu_offload
         cfg.actor.optimizer_state_dtype, cfg.actor.optimizer_chunk_mb = a.optimizer_state_dtype, a.optimizer_chunk_mb
-        actor = Actor(cfg)
+        actor = build_actor(cfg)
         batch = make_batch(a)
         tokens = float(batch.attention_mask.sum())
         n_params = sum(p.numel() for p in actor.model.module.parameters())

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from actor_step import machine_info, timed
+from actor_step import TESTS, machine_info, timed
 
 
 def routed(tokens: int, experts: int, topk: int, hidden: int, dev, g) -> tuple:
@@ -71,15 +72,17 @@ def main() -> None:
     p.add_argument("--out", default="")
     a = p.parse_args()
 
+    sys.path.insert(0, TESTS)
+    from batches import build_actor
+
     from colocate_rl.config import Config, ModelConfig
     from colocate_rl.models.grouped_experts import GroupedExperts
     from colocate_rl.models.tiny import ensure_model
-    from colocate_rl.trainer import Actor
 
     folder = Path(tempfile.gettempdir()) / f"expert_kernels_{a.shape.replace('@', '_')}"
     cfg = Config(model=ModelConfig(path=str(ensure_model(a.shape, folder, dtype="bfloat16")), dtype="bfloat16"))
     cfg.actor.expert_kernel = "sequential"  # the benchmark switches the layer itself
-    actor = Actor(cfg)
+    actor = build_actor(cfg)
     layer = next(m for m in actor.model.modules() if isinstance(m, GroupedExperts))
     assert layer.why_not_grouped is None, layer.why_not_grouped
     g = torch.Generator(device=next(layer.parameters()).device).manual_seed(0)

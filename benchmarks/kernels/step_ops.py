@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
-from actor_step import add_shape_args, build_model, machine_info, make_batch
+from actor_step import TESTS, add_shape_args, build_model, machine_info, make_batch
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
          "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
@@ -38,16 +39,17 @@ def measure(path: Path, a, setting: str) -> dict:
     input dtypes."""
     from torch.profiler import ProfilerActivity, profile
 
+    sys.path.insert(0, TESTS)
+    from batches import build_actor
+
     from colocate_rl.config import Config, ModelConfig
-    from colocate_rl.plan import resolve
 
     cfg = Config(model=ModelConfig(path=str(path), dtype="bfloat16"))
     cfg.actor.lr, cfg.actor.micro_batch_size = 1e-6, a.micro_batch
     key, value = setting.split("=", 1)
     section, name = key.split(".")
     setattr(getattr(cfg, section), name, yaml.safe_load(value))  # "false" -> False, "fused" -> "fused"
-    cfg.data.max_prompt_tokens = cfg.rollout.max_response_tokens = a.seq  # the plan holds them in the model's context
-    actor = resolve(cfg).build().make_actor()
+    actor = build_actor(cfg)
     batch = make_batch(a)
     batch.rollout_logprobs = torch.where(batch.loss_mask, actor.compute_logprobs(batch), 0)
     actor.train_step(batch)  # warm-up

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common/
-from common.cpu_results import add_run  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]  # common/; batches.py builds the actor
+from common.cpu_results import add_run  # noqa: E402
 
 
 def make_batch(rows: int, seq: int, vocab: int):
@@ -86,11 +85,12 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/activation_census_cpu.json"))
     a = p.parse_args()
 
-    from colocate_rl.config import Config, ModelConfig, resolve_fp32_residual
+    from batches import build_actor
+
+    from colocate_rl.config import Config, ModelConfig
     from colocate_rl.memory import activation_bytes
     from colocate_rl.models.registry import model_size
     from colocate_rl.models.tiny import ensure_model, shape_config
-    from colocate_rl.trainer import Actor
     from colocate_rl.trainer.logprobs import CHUNK_ELEMENTS
 
     hf = shape_config(a.shape)
@@ -113,12 +113,12 @@ def main() -> None:
         cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens = a.seq // 4, a.seq - a.seq // 4
         cfg.actor.optimizer_cpu_offload = True  # host Adam: no device state for an update the census never runs
         cfg.actor.fp32_residual = None if a.fp32_residual == "auto" else a.fp32_residual == "true"
-        actor = Actor(cfg)
+        actor = build_actor(cfg)
     groups = actor.activation_census(make_batch(a.rows, a.seq, hf["vocab_size"]))
     tokens = a.rows * a.seq
     in_layers = sum(n for k, n in groups.items() if k.startswith("decoder.layers.*"))
     head = sum(n for k, n in groups.items() if not k.startswith("decoder.layers.*"))
-    fp32_residual = resolve_fp32_residual(cfg, size.fp32_residual)
+    fp32_residual = actor.resolved.kernels.fp32_residual
     plan_layer, plan_head = activation_bytes(size, tokens, element_bytes=actor.dtype.itemsize,
                                              residual_bytes=4 if fp32_residual else 0)
     plan_layer *= size.activation_factor  # a family's calibration (DeepSeek-V4's), as the plan applies it

@@ -88,11 +88,12 @@ def ours_job(spec: dict, out_path: str) -> None:
     from colocate_rl.cli import preset_config
     from colocate_rl.config import load
     from colocate_rl.loop import evaluate, step, warm_start
+    from colocate_rl.plan import resolve
     from colocate_rl.session import start_session
 
     torch.set_num_threads(spec["threads"])
     cfg = load(preset_config(RECIPE, "tiny", recipe="qwen3_grpo"), overrides=spec["overrides"])
-    s = start_session(cfg)
+    s = start_session(cfg, resolve(cfg))
     out: dict = {"startup_s": time.perf_counter() - t_start, "threads": torch.get_num_threads()}
     try:
         if spec["mode"] == "warm":
@@ -104,24 +105,25 @@ def ours_job(spec: dict, out_path: str) -> None:
                 save_hf_folder(s.actor.export_hf_weights(), Path(cfg.model.path), Path(spec["save_to"]))
             out["train_ids"] = [list(x.prompt_ids) for x in s.train_samples[:8]]
         else:
-            out.update(timed_grpo(s, cfg, spec, step))
+            out.update(timed_grpo(s, spec, step, evaluate))
     finally:
         s.close()
     Path(out_path).write_text(json.dumps(out))
 
 
-def timed_grpo(s, cfg, spec: dict, step) -> dict:
+def timed_grpo(s, spec: dict, step, evaluate) -> dict:
+    """GRPO steps (loop.step) until the budget, held-out accuracy (loop.evaluate) at the marks."""
     budget, every = spec["budget_s"], spec["eval_every_s"]
     steps, evals, train_s, next_mark = [], [], 0.0, every or float("inf")
 
-    def evaluate(step: int) -> None:
+    def mark(at_step: int) -> None:
         t = time.perf_counter()
         m = evaluate(s)
-        evals.append({"step": step, "train_s": train_s, "accuracy": m["eval/accuracy"],
+        evals.append({"step": at_step, "train_s": train_s, "accuracy": m["eval/accuracy"],
                       "eval_s": time.perf_counter() - t})
 
     if spec["eval"]:
-        evaluate(0)
+        mark(0)
     for i in range(spec["max_steps"]):
         t = time.perf_counter()
         m = step(s)
@@ -131,7 +133,7 @@ def timed_grpo(s, cfg, spec: dict, step) -> dict:
                       **{k[5:]: v for k, v in m.items() if k.startswith("time/")}})
         stop = bool(budget) and train_s >= budget
         if spec["eval"] and (train_s >= next_mark or stop or i + 1 == spec["max_steps"]):
-            evaluate(i + 1)
+            mark(i + 1)
             while next_mark <= train_s:
                 next_mark += every
         if stop:

@@ -54,10 +54,11 @@ def ours_job(args, path: Path, root: Path, out: Path) -> None:
     """Our colocated steps, timed one by one (the loop's own per-phase times come along)."""
     from colocate_rl import loop
     from colocate_rl.config import Config, ModelConfig, load
+    from colocate_rl.plan import resolve
     from colocate_rl.session import start_session
 
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=our_overrides(args, path, root))
-    s = start_session(cfg)
+    s = start_session(cfg, resolve(cfg))
     steps = []
     try:
         for _ in range(args.steps + 1):

@@ -13,6 +13,7 @@ import json
 import os
 import platform as pyplatform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,11 +48,12 @@ def gpu_to_gpu_limit(nbytes: int = GiB, reps: int = 5) -> dict[str, float]:
     return out
 
 
-def run_steps(s, cfg, steps: int, off_policy: bool) -> list[dict]:
-    """``steps`` measured steps after one warm-up, as run_disaggregated runs them; wall seconds each."""
+def run_steps(s, steps: int, off_policy: bool) -> list[dict]:
+    """``steps`` measured steps after one warm-up, as the loop runs them; wall seconds each. One
+    session runs both schedules: the loop reads rollout.off_policy from the plan's Scheduling view."""
     from colocate_rl import loop
 
-    cfg.rollout.off_policy = off_policy
+    s.plan.scheduling = replace(s.plan.scheduling, off_policy=off_policy)
     rows = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -82,6 +84,7 @@ def main() -> None:
 
     from colocate_rl.config import Config, ModelConfig, load
     from colocate_rl.models.tiny import ensure_model
+    from colocate_rl.plan import resolve
     from colocate_rl.session import start_session
 
     limits = gpu_to_gpu_limit()
@@ -98,10 +101,10 @@ def main() -> None:
             "rollout.num_engines=1", "sync.verify_every=0", "logging.wandb_mode=disabled",
             "logging.progress=false", f"logging.run_dir={root / 'bench'}", "logging.run_name=disagg"]
     cfg = load(Config(model=ModelConfig(path=str(path))), overrides=over)
-    s = start_session(cfg)
+    s = start_session(cfg, resolve(cfg))
     try:
-        on = run_steps(s, cfg, args.steps, off_policy=False)
-        off = run_steps(s, cfg, args.steps, off_policy=True)
+        on = run_steps(s, args.steps, off_policy=False)
+        off = run_steps(s, args.steps, off_policy=True)
         verified = s.workers.verify()  # after the timed syncs: the engine holds the actor's weights
     finally:
         s.close()

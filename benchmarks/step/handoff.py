@@ -196,7 +196,7 @@ def main() -> None:
     from colocate_rl import loop
     from colocate_rl.config import Config, ModelConfig, load
     from colocate_rl.models.tiny import ensure_model
-    from colocate_rl.rollout.base import sampling_seed
+    from colocate_rl.plan import resolve
     from colocate_rl.session import start_session
 
     limits = copy_limits()
@@ -213,7 +213,7 @@ def main() -> None:
         # host memory than the node had. Live blocks keep their stacks whatever max_entries is.
         torch.cuda.memory._record_memory_history(max_entries=1000, stacks="python")
     host = HostMemory()  # the node's used memory from here on, against the plan's host part
-    s = start_session(cfg)  # the handoff measures the card's used bytes at every phase boundary
+    s = start_session(cfg, resolve(cfg))  # the handoff measures the card's used bytes at every phase boundary
     print(s.plan.describe(), flush=True)
     rows, per_step = [], []
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -247,7 +247,7 @@ def main() -> None:
         from vllm import SamplingParams
 
         sp = [SamplingParams(n=args.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                             max_tokens=args.tokens, logprobs=0, seed=sampling_seed(cfg, s.step) + i * args.n,
+                             max_tokens=args.tokens, logprobs=0, seed=s.plan.sampling.step_seed(s.step) + i * args.n,
                              stop_token_ids=s.rollout.eos_ids, detokenize=False)
               for i in range(len(samples))]  # the engine's own request: seeded per prompt
         prompts = [{"prompt_token_ids": list(x.prompt_ids)} for x in samples]
@@ -258,7 +258,7 @@ def main() -> None:
 
         def ours() -> int:
             nonlocal batch
-            batch = s.rollout.generate(samples, seed=sampling_seed(cfg, s.step))
+            batch = s.rollout.generate(samples, seed=s.plan.sampling.step_seed(s.step))
             return int(batch.response_lens.sum())
 
         rates = {"bare": [], "ours": []}

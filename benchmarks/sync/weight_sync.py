@@ -24,7 +24,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -133,8 +135,10 @@ def main() -> None:
 
     from safetensors.torch import load_file
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from batches import build_engine
+
     from colocate_rl.config import Config
-    from colocate_rl.rollout import RolloutEngine
     from colocate_rl.weight_sync import tensor_checksum
 
     path = resolve_model(args.model, args.dtype)
@@ -157,7 +161,7 @@ def main() -> None:
     if device == "cuda":
         cfg.rollout.gpu_memory_utilization, cfg.rollout.enforce_eager = 0.5, True
     t0 = time.perf_counter()
-    engine = RolloutEngine(cfg, multiprocess=not args.in_process)
+    engine = build_engine(cfg, multiprocess=not args.in_process)
     start_s = time.perf_counter() - t0
     # Direct loading applies to unquantized GPU engines only (CPU engines reload layer by layer).
     paths = {"load_weights": False, "direct": True} if device == "cuda" else {"load_weights": False}
@@ -167,13 +171,13 @@ def main() -> None:
     packs, copies, first_direct, states = [], [], None, {}
     try:
         if "direct" in paths:  # the first direct sync records the copies: timed apart
-            engine.cfg.sync.direct = True
+            engine.engine = replace(engine.engine, direct=True)  # sync.direct, as the engine holds it
             first_direct = engine.update_weights(tensors.items(), bucket_mb=args.bucket_mb).seconds
         for i in range(args.repeats):
             copies.append(min(memcpy_seconds(tensors, dst) for _ in range(2)))  # warm: the floor
             packs.append(pack_seconds(tensors, args.bucket_mb, device))
             for path_name, direct in paths.items():
-                engine.cfg.sync.direct = direct
+                engine.engine = replace(engine.engine, direct=direct)
                 stats = engine.update_weights(tensors.items(), bucket_mb=args.bucket_mb)
                 syncs[path_name].append(stats)
                 print(f"round {i} {path_name}: sync {stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s, "
