@@ -104,8 +104,7 @@ class ActorConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     # Sequences per forward/backward. On GPUs raise it as far as memory allows: the actor is bound
-    # by kernel launches, and on an H200 64 trained a Qwen3-0.6B-shaped batch 38% faster than 16
-    # (benchmarks/results/gpu_vs_trl_h200_micro64.json).
+    # by kernel launches (docs/performance.md, actor.micro_batch_size).
     micro_batch_size: int = 4
     # > 0: micro-batches by tokens instead of rows (verl's use_dynamic_bsz, slime's
     # use_dynamic_batch_size): rows, longest first, fill each micro-batch while its rows times its
@@ -122,8 +121,7 @@ class ActorConfig:
     offload: str = "auto"
     # On a GPU, an offloaded optimizer state comes back on a side stream while the forward and
     # backward run; the optimizer step waits for it on the device (trainer/offload.py). The onload
-    # phase then waits only for the parameters: on an H200 it took 0.067 s instead of 0.286 s for a
-    # Qwen3-0.6B shape with every part offloaded (handoff_onload_overlap_{false,true}_h200.json).
+    # phase then waits only for the parameters (docs/performance.md, actor.overlap_onload).
     overlap_onload: bool = True
     # Adam state in host memory (trainer/host_adam.py): a 284B model's fp32 master weights and two
     # fp32 moments are ~12 bytes/param (3.4 TB) and fit no GPUs. The device keeps the bf16 weights
@@ -146,40 +144,36 @@ class ActorConfig:
     # tensor parallelism only under it, so DeepSeek-V4 at actor.tp > 1 requires it.
     sequence_parallel: bool = False
     # Keep the residual stream (embeddings, residual adds, norm inputs) in fp32 in a 16-bit actor, as
-    # mixed precision over fp32 weights (TRL's) does; every matrix product stays 16-bit. On an H200
-    # it cut the logprob gap to vLLM by 29% (0.0075 -> 0.0053, TRL's own gap;
-    # handoff_fp32res_loop_h200.json) at a train-phase cost inside the run-to-run spread (4.98 s
-    # between 4.14 and 4.91 s without it, the same lease); it adds 1.9% operators, all casts
-    # (fp32_residual_ops_cpu.json), and 2 bytes per token and hidden unit to each norm's saved
-    # input. Unset (null): on for a bf16/fp16 actor, off in exact mode (vLLM rounds its residual to
+    # mixed precision over fp32 weights (TRL's) does; every matrix product stays 16-bit. It narrows
+    # the logprob gap to vLLM to TRL's own at a train-phase cost within the run-to-run spread, adding
+    # casts only (docs/performance.md, actor.fp32_residual), and 2 bytes per token and hidden unit to
+    # each norm's saved input. Unset (null): on for a bf16/fp16 actor, off in exact mode (vLLM rounds its residual to
     # the model dtype) and for families whose residual is not one plain stream (deepseek_v4's mHC).
     fp32_residual: Optional[bool] = None
     # How the loss's per-token logprobs and their gradient are computed (trainer/logprobs.py). fused:
     # three torch.compile'd kernels that read the 16-bit logits once each and keep the fp32 softmax in
     # registers (~8 bytes of memory traffic per logit); chunked: fp32 copies by row chunks (~74). The
-    # same values within fp32 rounding; on an H200 fused is 4.4x as fast at Qwen3's vocabulary
-    # (benchmarks/results/logprobs_kernels_h200.json) and the first step pays its compile (seconds).
+    # same values within fp32 rounding; on a GPU fused is several times as fast at Qwen3's vocabulary
+    # and the first step pays its compile (docs/performance.md, actor.logprob_kernel).
     # auto: fused on a GPU, chunked on the CPU (where compiling costs more than it saves); exact
     # mode computes them as vLLM's sampler does, whatever this says.
     logprob_kernel: str = "auto"
     # How the RMSNorms of a Qwen3 actor run (models/norm.py). eager: ~4 operators forward and ~20
-    # backward each, four norms per layer, 28% of a train step's operators; fused: the same
-    # expressions through torch.compile'd kernels, one or two per pass. On an H200 fused did not
-    # pay: it recompiles for each new micro-batch shape, and once compiled its train phase was no
-    # faster than eager's (handoff_norm_loop_h200.json).
+    # backward each, four norms per layer, a large share of a train step's operators; fused: the same
+    # expressions through torch.compile'd kernels, one or two per pass. On a GPU fused did not pay:
+    # it recompiles for each new micro-batch shape, and once compiled its train phase was no faster
+    # than eager's (docs/performance.md, actor.norm_kernel).
     norm_kernel: str = "eager"
     # How a MoE layer's experts run (Qwen3-MoE, DeepSeek-V4; models/grouped_experts.py). sequential: megatron-core's
     # SequentialMLP, two matmuls and the activation per expert; grouped: all local experts in two
-    # torch grouped GEMMs, the same parameters and bit-for-bit the same results on an H200, where a
-    # Qwen3-30B-A3B layer ran 9.96x as fast (expert_kernels_h200.json) and its 12-layer cut's train
-    # phase 3.85x (handoff_qwen3_30b_a3b_12_1024_experts_h200.json). auto: grouped on a GPU for a
+    # torch grouped GEMMs, the same parameters and bit-for-bit the same results, several times as
+    # fast on a GPU (docs/performance.md, actor.expert_kernel). auto: grouped on a GPU for a
     # 16-bit actor, sequential on the CPU. Exact mode runs vLLM's fused experts whatever this says.
     expert_kernel: str = "auto"
     # DeepSeek-V4 with an FP8 engine: the actor's forward rounds what the engine rounds to FP8 (every
     # FP8 GEMM's input, the KV cache) and trains through those roundings straight-through
-    # (models/deepseek_v4/fp8_emulation.py). On the CPU they move the actor's logprobs by about as
-    # much as its gap to the engine (benchmarks/results/fp8_parts_cpu.json); not yet measured
-    # against the engine on a GPU.
+    # (models/deepseek_v4/fp8_emulation.py). They move the actor's logprobs by about as much as its
+    # gap to the engine, but not towards the engine (docs/performance.md, actor.emulate_rollout_fp8).
     emulate_rollout_fp8: bool = False
     max_nonfinite_in_row: int = 3  # updates skipped for NaN/inf loss or gradients before the run stops
     # Only with algorithm.kl_coef > 0: keep the reference policy on the device for the whole run
@@ -272,8 +266,8 @@ class PlacementConfig:
     # -1: every GPU this machine has (0 on a machine without); 0: the CPU, even where a GPU exists.
     gpus_per_node: int = -1
     # The accelerator the memory plan sizes against: auto (the one found; unchecked on CPU) or a
-    # name from colocate_rl.memory.ACCELERATORS (h100, h200, mi300x, mi355x, ...): plan a run for
-    # hardware this machine does not have (dry_run=true).
+    # name from colocate_rl.memory.ACCELERATORS: plan a run for hardware this machine does not have
+    # (dry_run=true).
     accelerator: str = "auto"
     actor_nodes: int = 0  # disaggregated only
     rollout_nodes: int = 0  # disaggregated only

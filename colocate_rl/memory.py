@@ -139,8 +139,9 @@ class MemoryPlan:
 
     @property
     def usable(self) -> int:
-        """The capacity less 2% kept free: on an H200 a plan of 139.5 GiB measured 139.5 of 139.8 GiB
-        in use, too close to an out-of-memory error to choose it (benchmarks/results/handoff_auto_h200_256.json)."""
+        """The capacity less 2% kept free: a plan that filled the card measured within a fraction of
+        a GiB of it, too close to an out-of-memory error (docs/performance.md, *The memory plan
+        against the card*)."""
         return int(self.capacity * 0.98)
 
     def check(self, phase: Phase) -> None:
@@ -201,13 +202,13 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     norm, q/k/v, rotated q and k, the attention output), then 3·ffn for a dense SwiGLU MLP (fc1's
     output, fc2's input), or for a routed one h + topk·(h + 4·moe_ffn) (router input, each token's
     copy per expert, the experts' fc1 output, fc2 input and output). benchmarks/memory/activation_census.py
-    counts what autograd saves and matches this within 3% for Qwen3-0.6B, Qwen3-8B and a Qwen3-MoE
-    layer (activation_census_cpu.json), with the fp32 residual stream too. Tensor parallelism
-    splits all but the 4·h (those too under sequence parallelism). Another family's layer takes
-    Korthikanti et al.'s ~34 bytes per token and hidden unit. The head keeps the logits
-    (trainer/logprobs.py) and, in the backward, their gradient, both in the model dtype, plus,
-    unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most CHUNK_ELEMENTS
-    each)."""
+    counts what autograd saves, and this matches it for Qwen3 dense and MoE layers, with the fp32
+    residual stream too (docs/lab/performance_log.md, *What the training forward keeps for its
+    backward*). Tensor parallelism splits all but the 4·h (those too under sequence parallelism).
+    Another family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head
+    keeps the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model
+    dtype, plus, unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most
+    CHUNK_ELEMENTS each)."""
     h, rb = size.hidden, residual_bytes or element_bytes
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \
@@ -255,10 +256,9 @@ def plan_memory(model: ModelConfig, a: ActorConfig, r: EngineSettings, layout: L
     rb = 4 if kernels.fp32_residual else pb
     per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb, kernels.logprobs == "fused")
     act = (layers * rb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
-    # x1.15 for the backward's temporaries and the allocator's fragmentation. On an H200 the caching
-    # allocator held 52 GiB after a 0.6B model's step (64 x 288-token sequences per micro-batch) when
-    # the actor kept 84.4 kB per token and layer and 616 kB for the head (activation_census_cpu.json,
-    # earlier_code): 51.1 GiB of saved tensors.
+    # x1.15 for the backward's temporaries and the allocator's fragmentation, calibrated on the
+    # caching allocator's peak against the saved tensors of the same step (docs/lab/performance_log.md,
+    # *The handoff that moves only what must move*).
     parts["activations"] = int(1.15 * size.activation_factor * (act * min(pp, 2) + head))
     if kernels.experts == "grouped":
         # The grouped GEMMs' stacked copy of one layer's local fc1 weights (2/3 of a SwiGLU expert's)
@@ -277,10 +277,9 @@ def plan_memory(model: ModelConfig, a: ActorConfig, r: EngineSettings, layout: L
 
     gathered = max(size.largest * pb, RUN_BYTES if tp * pp * ep > 1 else 0)
     parts["sync_buckets"] = int(bucket_mb * 2**20 + gathered)
-    # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU).
-    # Measured on an H200 (0.6B model): with the actor's 10.0 GiB of state and vLLM asleep, 17.0 GiB
-    # were in use: ~1 GiB for the actor's context and ~6 for the sleeping engine (CUDA graphs, cuBLAS
-    # workspaces, its context).
+    # A CUDA/HIP context and allocator slack per process on the GPU (none to plan on the CPU): the
+    # actor's context and the sleeping engine's graphs, workspaces and context, calibrated on a
+    # colocated run (docs/lab/performance_log.md, *The handoff that moves only what must move*).
     parts["runtime"] = ((7 if layout.colocated else 2) * GiB) if capacity else 0
     notes = []
     if rb != pb:  # unset, it is on for a 16-bit actor: say so where the bytes it costs are printed

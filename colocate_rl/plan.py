@@ -5,9 +5,10 @@ and the memory plan per GPU and phase. Every derived choice goes into one frozen
 ``resolved.Resolved``, which only ``resolve`` fills; every problem is one ConfigError line naming
 the field.
 
-    python recipes/<recipe>.py preset=NAME dry_run=true [placement.accelerator=mi300x]
+    python recipes/<recipe>.py preset=NAME dry_run=true [placement.accelerator=NAME]
 
-prints it (and the resolved config) on any machine, for any preset, without loading a model.
+prints it (and the resolved config) on any machine, for any preset, without loading a model
+(placement.accelerator: one of memory.ACCELERATORS, to plan for a GPU this machine lacks).
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ experts) launches ~1,000 small operators per micro-batch. Its grouped expert lay
 TransformerEngine. ``GroupedExperts`` keeps SequentialMLP's modules and parameter names
 (``local_experts.{e}.linear_fc1.weight``: the mapping, the export, checkpoints and expert
 parallelism are unchanged) and, when ``grouped`` is set, computes all local experts in two
-``torch._grouped_mm`` calls (CUTLASS on CUDA, a loop on the CPU) around one activation call. On an
-H200 a Qwen3-30B-A3B layer's forward and backward ran 9.96x as fast, with the same bits
-(benchmarks/results/expert_kernels_h200.json).
+``torch._grouped_mm`` calls (CUTLASS on CUDA, a loop on the CPU) around one activation call: the
+same bits, several times as fast on a GPU (docs/performance.md, actor.expert_kernel).
 
 Each grouped call stacks the experts' weights for the call and keeps only the experts' own
 parameters for the backward, which restacks them: the stacked copy (0.8 GB for fc1 at

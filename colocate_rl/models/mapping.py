@@ -207,8 +207,9 @@ def _export_maps(model, specs: list[ParamSpec]) -> tuple[dict, list[tuple[Route,
     """(canonical name -> this rank's parameter or checkpoint-carrying buffer, the exported specs cut
     into runs that travel the same way, each with its route: the same on every rank).
 
-    Walking the modules and canonicalising every name made an export of 4,719 tensors 2.9x as long
-    (benchmarks/results/export_cpu.json), and none of it changes between syncs: the parameters are
+    Walking the modules and canonicalising every name made up most of an export's time
+    (docs/lab/performance_log.md, *Weight sync at the Qwen3-30B-A3B width*), and none of it changes
+    between syncs: the parameters are
     the same objects for the model's life (offload and checkpoint loads write into them in place),
     and so is the layout, so the maps and the runs are kept per model.
     Collective the first time under pipeline parallelism (every stage calls it then)."""

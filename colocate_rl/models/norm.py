@@ -8,9 +8,9 @@ goes to the weight's dtype, which is the input's unless actor.fp32_residual keep
 stream (the input here) in fp32 while the linears after the norm stay in the model dtype.
 
 Eager, a norm's forward is 4 operators and its backward ~20 (casts, squares, sums, products):
-four norms per Qwen3 layer (input, pre-MLP, q and k) are 28% of the operators a train step
-launches (benchmarks/results/norm_kernel_ops_cpu.json), and a small model's step on a GPU is bound
-by launching them. ``fused`` (actor.norm_kernel) runs the same expressions through torch.compile'd
+four norms per Qwen3 layer (input, pre-MLP, q and k) are a large share of the operators a train
+step launches (docs/lab/performance_log.md, *Fused norms*), and a small model's step on a GPU is
+bound by launching them. ``fused`` (actor.norm_kernel) runs the same expressions through torch.compile'd
 kernels, one or two per pass.
 """
 

@@ -186,8 +186,9 @@ def tool_call_parser(hf: dict) -> str:
 def exact_samples_on_v2(hf_config: dict, routing_replay: bool) -> bool:
     """Whether exact mode's engine runs vLLM's V2 model runner, which takes its logprobs with kernels
     of its own; the engine sets it (rollout/engine.py) and the actor takes its logprobs the same way
-    (models/exact.token_logprobs). V2 for dense models, as vLLM 0.26 picks by default: exact mode's
-    step took 1.07x the default's on it, 1.42x on V1 (docs/performance.md). V1 for MoE models
+    (models/exact.token_logprobs). V2 for dense models, as vLLM 0.26 picks by default: exact mode
+    costs less over the default there than on V1 (docs/lab/performance_log.md, *Exact mode's cost
+    through the loop*). V1 for MoE models
     (vLLM's default for Qwen3-MoE) and wherever R3 captures the routed experts, which V2 cannot."""
     return moe_routing(hf_config) is None and not routing_replay
 

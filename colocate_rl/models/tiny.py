@@ -38,7 +38,7 @@ def _dsv4_mini() -> dict:
     """DeepSeek-V4-Flash's released per-layer width (hidden 4096, 64 heads x 512, q/o LoRA 1024,
     o-groups 8, indexer 64 x 128 top-512, 128-token windows, 4 mHC streams, noaux_tc routing) with
     4 layers (a hash-routed window layer, C4, C128, C4) and 16 experts: 3.2B parameters, which one
-    H200 trains with Adam's state on the host."""
+    GPU trains with Adam's state on the host (the mini-1gpu preset, docs/deepseek_v4.md)."""
     import json as _json
 
     from colocate_rl.models.deepseek_v4.synth import FLASH
@@ -248,7 +248,7 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, dtype: str = "fl
 
 
 # From this size the weights are drawn directly, in parallel, rather than by transformers'
-# per-module init, which runs on one core (Qwen3-8B took 9 minutes on a 16-core host).
+# per-module init, which runs on one core (docs/recipes.md, model.synthesize).
 DIRECT_INIT_PARAMS = 10**9
 _CHUNK = 1 << 24
 

@@ -67,7 +67,7 @@ def _as_math(s: str) -> str:
 
 def is_equivalent(gold: str, answer: str, *, wrap_answer: bool = True) -> bool:
     """math-verify equivalence of an extracted answer to the gold label (1/2 ≡ 0.5 ≡ \\frac{1}{2})."""
-    from math_verify import parse, verify  # imported here: sympy costs ~1 s, arithmetic runs skip it
+    from math_verify import parse, verify  # imported here: sympy is slow to import, arithmetic runs skip it
 
     if not answer.strip():
         return False

@@ -7,7 +7,7 @@ ProcessPoolExecutor cannot kill one of its workers and carry on).
 
 Why the forkserver start method: fork() after torch/vLLM/Ray have started threads copies locks
 that another thread held, and the child can deadlock on them; spawn starts a fresh interpreter
-that re-imports sympy (~1 s) for every replaced worker. The forkserver is one single-threaded
+that re-imports sympy (a slow import) for every replaced worker. The forkserver is one single-threaded
 process, started once, that has imported the reward modules; each worker forks from it in
 milliseconds. As with spawn, a script that starts a scorer needs an ``if __name__ == "__main__"``
 guard, because workers import the main module.

@@ -128,9 +128,8 @@ def replay(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 class BucketCopies:
     """One bucket layout's copies, resolved once. Each sync then cuts the new bucket into
     consecutive segments with one ``split_with_sizes`` and copies them out in one batch, instead of
-    a view, a lookup and a check per tensor in Python: for the 4,719 tensors of 12 of
-    Qwen3-30B-A3B's layers, 0.0127 s against 0.061 s on an H200
-    (benchmarks/results/pack_replay_bucket_qwen3_30b_a3b_12_h200.json)."""
+    a view, a lookup and a check per tensor in Python (docs/lab/performance_log.md, *The engine
+    loads whole buckets*)."""
 
     sizes: list[int]  # the flat bucket as consecutive segments, sources and the gaps between them
     batched: tuple[list[torch.Tensor], list[int]]  # destinations and their segments, one _foreach_copy_

@@ -200,8 +200,8 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
     if resolved.exact and not eager:
         # No torch.compile (under it vLLM's norms and activations become Inductor code, not the
         # kernels the actor calls: models/exact.py), but CUDA graphs of the decode steps, which
-        # replay those same kernels: the loop's gap stays 0.0 and generation takes 2.0x less
-        # time than eager (handoff_exact_v1_graphs_h200.json vs ..._eager_h200.json).
+        # replay those same kernels: the loop's gap stays 0.0 and generation takes half the time
+        # eager's does (docs/lab/performance_log.md, *Exact mode's cost through the loop*).
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     if r.tensor_parallel_size > 1:
         # vLLM picks its Ray executor whenever it starts inside a Ray placement group (our Ray
@@ -232,7 +232,7 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
 def require_quantization_deps() -> None:
     """A quantized (FP8) engine: vLLM's quantization configs import compressed-tensors, all of them
     at once, FP8's included. Without the package the engine died deep inside its start with a
-    ModuleNotFoundError (measured on an H200 whose vLLM was installed without its dependencies)."""
+    ModuleNotFoundError (seen where vLLM was installed without its dependencies)."""
     if importlib.util.find_spec("compressed_tensors") is None:
         raise RuntimeError("an FP8 rollout engine needs the compressed-tensors package (vLLM's quantization "
                            "configs import it): pip install compressed-tensors")
@@ -274,14 +274,14 @@ class RolloutEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.max_model_len = resolved.max_model_len
-        # With TORCHDYNAMO_DISABLE=1 (skips a 15-19 s compile on CPU) vLLM's compiled mode fails in
+        # With TORCHDYNAMO_DISABLE=1 (no long first compile on CPU) vLLM's compiled mode fails in
         # aot_compile; eager is the only mode that runs then.
         eager = r.enforce_eager or os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0")
         if resolved.exact:
             # Batch-invariant kernels (the engine's workers read the variable at start).
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
             # The two model runners take logprobs with different kernels (a few fp32 ulps apart on
-            # ~2% of tokens): named here, not left to vLLM's default, so that the actor knows which
+            # some tokens): named here, not left to vLLM's default, so that the actor knows which
             # to reproduce (exact.token_logprobs).
             v2 = exact_samples_on_v2(read_hf_config(self.model_path), resolved.routing_replay)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
@@ -300,7 +300,7 @@ class RolloutEngine:
         if self.multiprocess and not self.on_cpu:
             # vLLM forks its engine core unless it finds CUDA initialized here; an engine started
             # before anything else touched the GPU got a forked child that then failed with "Cannot
-            # re-initialize CUDA in forked subprocess" (measured on an H200). Spawn always.
+            # re-initialize CUDA in forked subprocess". Spawn always.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm.envs as envs
 

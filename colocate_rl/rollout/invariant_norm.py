@@ -3,10 +3,9 @@
 In vLLM 0.26 every RMSNorm that follows a residual add runs ``fused_add_rms_norm``, a CUDA kernel
 whose thread block is 1,024 wide when the launch holds fewer than 256 tokens and 256 wide otherwise.
 The block width sets the order of the sum of squares, so the same row normalises to different bits
-in a decode step of 32 sequences and in a prefill of 3,000 tokens. Measured on an H200 (Qwen3-0.6B
-shape, exact mode, benchmarks/results/exact_gap_h200.json): a batch of 1 sequence sampled with the
-actor's logprobs exactly, 8 x 4 sequences differed by 0.0042 per token on 83% of tokens, 64 x 8 by
-0.0001 on 3% (the steps where fewer than 256 sequences were still running).
+in a decode step of 32 sequences and in a prefill of 3,000 tokens: in exact mode the sampler's
+logprobs then differed from the actor's on most tokens of a small batch and on the late decode
+steps of a large one (docs/lab/performance_log.md, *Exact on-policy mode*).
 
 ``install`` replaces that path with the residual add and vLLM's Triton row norm, whose result does
 not depend on the launch; the actor's exact forward (models/exact.py) normalises the stream with the

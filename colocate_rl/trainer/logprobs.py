@@ -17,7 +17,8 @@ forward and backward together, about 6 TB a step at 64 x 8 x 1024 tokens of a 15
 vocabulary. ``fused=True`` computes the same quantities through torch.compile'd kernels that read
 the 16-bit logits and keep every fp32 value in registers: the row max, the sum of exponentials
 and the target's logit each in one pass over the rows, the gradient in one (~8 bytes per logit),
-and no fp32 temporaries at all; 4.4x as fast on an H200 (benchmarks/results/logprobs_kernels_h200.json).
+and no fp32 temporaries at all; several times as fast on a GPU (docs/performance.md,
+actor.logprob_kernel).
 actor.logprob_kernel picks the path (auto: fused on a GPU, chunked on the CPU).
 """
 

@@ -129,8 +129,7 @@ class HostOffload:
                 s.resize_(0)
         if pin:
             # Also with nothing to move: the caching allocator still holds the training step's
-            # activations (on an H200, 52 GiB at 64 x 288-token sequences of a 0.6B model), which the
-            # waking engine needs.
+            # activations (tens of GiB at long micro-batches), which the waking engine needs.
             torch.cuda.empty_cache()
         return total, time.perf_counter() - t0
 

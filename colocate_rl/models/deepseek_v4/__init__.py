@@ -164,10 +164,9 @@ FAMILY = register(Family(
     layer_spec=_no_layer_spec, model_kwargs=lambda hf: {}, params=params, check_parallel=check_parallel,
     check_rollout=check_rollout, build=build, verify_names=verify_names, hf_model=hf_model, hf_tensor=hf_tensor,
     moe_routing=moe_routing, fp8_emulation=emulate_fp8, grouped_experts=True,
-    # The mini preset's training step held 12.9 GiB beyond weights, gradients and optimizer chunks on
-    # an H200 where the standard estimate (memory.activation_bytes's 34 bytes per token and hidden
-    # unit, with its 1.15 allowance) says 3.1 (benchmarks/results/dsv4_mini_colocated_h200.json):
-    # the chunked window + compressed-entry attention keeps fp32 scores, the mHC streams are 4 wide.
+    # Calibrated on the mini preset's measured step (docs/lab/performance_log.md, *DeepSeek-V4 mini
+    # trained through vLLM*): the chunked window + compressed-entry attention keeps fp32 scores, the
+    # mHC streams are 4 wide.
     activation_factor=4.1,
     fp32_residual=False,  # the residual is hc_mult mHC streams, not Megatron's one stream
     tool_call_parser="deepseek_v4",  # DSML <｜DSML｜tool_calls> blocks (vllm/parser/deepseek_v4.py)
