@@ -14,6 +14,7 @@ prints it (and the resolved config) on any machine, for any preset, without load
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -64,24 +65,27 @@ class RunPlan:
         if self.size:
             lines.append(f"model: {_count(self.size.total)} parameters ({_count(self.size.experts)} in routed "
                          f"experts), {self.size.layers} layers")
-        unset = self.unset_settings()
-        if unset:  # the printed config shows these as null/auto
-            lines.append("resolved here: " + ", ".join(f"{k}={v}" for k, v in unset.items()))
+        lines.append(self.kernels_line())
         lines.append(self.memory.table())
         lines += [f"does not fit: {p}" for p in self.problems]
         return "\n".join(lines)
 
-    def unset_settings(self) -> dict[str, str]:
-        """The settings the config leaves unset or auto, and what the record says they are here."""
-        a, k, exact = self.cfg.actor, self.resolved.kernels, self.resolved.exact
-        out: dict[str, str] = {}
-        if a.fp32_residual is None:
-            out["actor.fp32_residual"] = str(k.fp32_residual).lower()
-        if a.logprob_kernel == "auto" and not exact:  # exact mode scores its own way
-            out["actor.logprob_kernel"] = k.logprobs
-        if a.expert_kernel == "auto" and not exact and self.size and self.size.experts and self.size.grouped_experts:
-            out["actor.expert_kernel"] = k.experts + (f" ({self.experts_note})" if self.experts_note else "")
-        return out
+    def kernels_line(self) -> str:
+        """How the actor computes, in one line: the record's kernels as the settings they resolve
+        (the printed config shows the unset ones as null or auto), then megatron-core's layers and
+        optimizer and the optional packages it runs without (said once here, where megatron-core's
+        import warns of each)."""
+        k = self.resolved.kernels
+        if self.resolved.exact:
+            chosen = "vLLM's, op for op (rollout.exact=true)"
+        else:
+            settings = [f"actor.fp32_residual={str(k.fp32_residual).lower()}", f"actor.logprob_kernel={k.logprobs}",
+                        f"actor.norm_kernel={k.norms}"]
+            if self.size is None or self.size.experts:
+                settings.append(f"actor.expert_kernel={k.experts}" + (f" ({self.experts_note})" if self.experts_note
+                                                                       else ""))
+            chosen = ", ".join(settings)
+        return f"kernels: {chosen}; megatron-core: {megatron_kernels(self.cfg, self.resolved, self.hf)}"
 
     def build(self) -> Build:
         """What the placement starts: the actor and the engines built from their own sections and
@@ -93,6 +97,24 @@ class RunPlan:
         return Build(make_actor=partial(Actor, c.model, c.actor, c.algorithm, self.sampling, r, c.seed),
                      make_rollout=partial(make_rollout, c.model, self.engine, self.sampling, r),
                      resolved=r, sampling=self.sampling, scheduling=self.scheduling, sync=c.sync)
+
+
+def megatron_kernels(cfg: Config, resolved: Resolved, hf: dict) -> str:
+    """megatron-core's layer spec and optimizer on this run (as models/build.py and the actor pick
+    them), and which of its optional kernel packages this machine lacks (found by their import specs,
+    without importing them)."""
+    te, apex = (importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex"))
+    family = family_for(hf) if hf else None
+    if resolved.exact:
+        layers = "exact layer spec (vLLM's kernels)"
+    elif family is not None and family.build is not None:
+        layers = f"{family.name}'s own layers"
+    else:
+        layers = "Transformer Engine layer spec" if te and resolved.layout.on_gpu else "local layer spec"
+    optimizer = ("host Adam" if cfg.actor.optimizer_cpu_offload else "Transformer Engine's fused Adam" if te
+                 else "apex's fused Adam" if apex else "torch optimizers")
+    missing = [name for name, found in (("Transformer Engine", te), ("apex", apex)) if not found]
+    return f"{layers}, {optimizer}" + (f" ({', '.join(missing)}: not installed)" if missing else "")
 
 
 def _count(n: int) -> str:

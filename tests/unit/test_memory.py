@@ -178,22 +178,60 @@ def test_a_run_this_node_cannot_hold_stops_before_loading(monkeypatch):
     assert plan.memory.host_capacity == 96 * GiB and "of 96.0 GiB" in plan.memory.table()
 
 
-def test_the_plan_prints_what_unset_and_auto_settings_resolve_to():
-    """The printed config shows actor.fp32_residual as null and actor.logprob_kernel as auto; the plan's
-    printout says what they are on this run (on the CPU: fp32 residual on for bf16, chunked logprobs)."""
+def _described(*over, model="Qwen/Qwen3-0.6B"):
     from colocate_rl.plan import resolve
 
-    def described(*over, model="Qwen/Qwen3-0.6B"):
-        return resolve(load(Config(model=ModelConfig(path=model)),
-                            overrides=["placement.gpus_per_node=0", "model.dtype=bfloat16", *over])).describe()
+    return resolve(load(Config(model=ModelConfig(path=model)),
+                        overrides=["placement.gpus_per_node=0", "model.dtype=bfloat16", *over])).describe()
 
-    assert "resolved here: actor.fp32_residual=true, actor.logprob_kernel=chunked" in described()
-    assert "resolved here: actor.fp32_residual=false," in described("model.dtype=float32")
-    assert "resolved here" not in described("actor.fp32_residual=true", "actor.logprob_kernel=fused")
+
+def _kernels_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith("kernels: ")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_the_plan_prints_what_unset_and_auto_settings_resolve_to():
+    """The printed config shows actor.fp32_residual as null and the kernels as auto; the plan's one
+    kernels line says what they are on this run (on the CPU: fp32 residual on for bf16, chunked logprobs)."""
+    assert _kernels_line(_described()).startswith(
+        "kernels: actor.fp32_residual=true, actor.logprob_kernel=chunked, actor.norm_kernel=eager; megatron-core: ")
+    assert _kernels_line(_described("model.dtype=float32")).startswith("kernels: actor.fp32_residual=false,")
+    assert "actor.logprob_kernel=fused" in _kernels_line(_described("actor.logprob_kernel=fused"))
     # a MoE's experts: sequential on the CPU (grouped GEMMs on a GPU); a dense model says nothing of them
-    assert "actor.expert_kernel" not in described()
-    moe = described("actor.fp32_residual=true", "actor.logprob_kernel=fused", model="Qwen/Qwen3-30B-A3B")
-    assert "resolved here: actor.expert_kernel=sequential" in moe
+    assert "actor.expert_kernel" not in _described()
+    moe = _described("actor.fp32_residual=true", "actor.logprob_kernel=fused", model="Qwen/Qwen3-30B-A3B")
+    assert "actor.expert_kernel=sequential" in _kernels_line(moe)
+
+
+def test_the_kernels_line_says_which_megatron_fallbacks_run(monkeypatch):
+    """megatron-core's layer spec and optimizer, and the optional packages this machine lacks (what its
+    import warns of, once per module, said here once)."""
+    import importlib.util
+
+    from colocate_rl import plan
+
+    found = importlib.util.find_spec
+
+    def packages(*present):
+        def find_spec(name, *args):
+            if name in ("transformer_engine", "apex"):
+                return object() if name in present else None
+            return found(name, *args)
+
+        monkeypatch.setattr(plan.importlib.util, "find_spec", find_spec)
+
+    packages()
+    assert _kernels_line(_described()).endswith(
+        "megatron-core: local layer spec, torch optimizers (Transformer Engine, apex: not installed)")
+    assert _kernels_line(_described("actor.optimizer_cpu_offload=true")).endswith(
+        "megatron-core: local layer spec, host Adam (Transformer Engine, apex: not installed)")
+    packages("apex")
+    assert _kernels_line(_described()).endswith("local layer spec, apex's fused Adam (Transformer Engine: not installed)")
+    packages("transformer_engine", "apex")
+    assert _kernels_line(_described()).endswith("megatron-core: local layer spec, Transformer Engine's fused Adam")
+    gpu = _described("placement.gpus_per_node=1", "placement.accelerator=h200")
+    assert _kernels_line(gpu).endswith("megatron-core: Transformer Engine layer spec, Transformer Engine's fused Adam")
 
 
 def test_micro_batches_by_tokens_are_planned_by_their_budget():
