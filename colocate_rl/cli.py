@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from colocate_rl.config import Config, ConfigError, load, print_config, split_cli
+from colocate_rl.console import Quiet
+from colocate_rl.private import private_dir
 from colocate_rl.supervise import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, supervise
 
 
@@ -48,16 +49,26 @@ def _fail(e: BaseException | str, code: int) -> SystemExit:
 
 
 def main(config_fn, argv: list[str]) -> dict:
-    # megatron-core warns once per missing optional kernel package (TE, apex) when imported, which
-    # the memory plan already does: the console keeps the run's own lines, and an error its one line.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    """The run of ``argv`` (a recipe's command line), with a quiet console (console.py) unless
+    logging.verbose=true. Quiet from the start: loading the config may load torch, which reads
+    TORCH_CPP_LOG_LEVEL then (placement.gpus_per_node=-1 counts the GPUs)."""
+    with Quiet() as quiet:
+        cfg = _load(config_fn, argv)
+        if cfg.logging.verbose:
+            quiet.close()
+        return _main(cfg, argv, None if cfg.logging.verbose else quiet)
+
+
+def _load(config_fn, argv: list[str]) -> Config:
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "tiny")
-    rest = [a for a in argv if not a.startswith("preset=")]
-    files, overrides = split_cli(rest)
+    files, overrides = split_cli([a for a in argv if not a.startswith("preset=")])
     try:
-        cfg = load(config_fn(preset), files=files, overrides=overrides)
+        return load(config_fn(preset), files=files, overrides=overrides)
     except ConfigError as e:
         raise _fail(e, EXIT_CONFIG) from None
+
+
+def _main(cfg: Config, argv: list[str], quiet: Quiet | None) -> dict:
     if cfg.placement.gpus_per_node == 0:
         from colocate_rl import platform
 
@@ -75,12 +86,10 @@ def main(config_fn, argv: list[str]) -> dict:
         return {"plan": plan}
     if cfg.supervise.max_restarts and not os.environ.get("COLOCATE_RL_ATTEMPT"):
         raise SystemExit(supervise(cfg, plan.resolved.run_name, argv))
-    # vLLM logs each engine call at INFO and, on CPU, warns at every in-place reload that the rotary
-    # embedding has no weights to load: keep the console to the run's own lines unless
-    # VLLM_LOGGING_LEVEL says otherwise.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from colocate_rl.loop import run  # heavy imports (vLLM, megatron-core) only after the checks
 
+    if quiet:
+        quiet.to_file(private_dir(Path(cfg.logging.run_dir) / plan.resolved.run_name))
     try:
         return run(cfg, plan)
     except ConfigError as e:  # found once the model folder exists (e.g. a tokenizer that does not fit)
@@ -89,6 +98,10 @@ def main(config_fn, argv: list[str]) -> dict:
         raise _fail(e, EXIT_NONFINITE) from None
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except Exception as e:  # a crash: its traceback in the run's log, unless the console shows everything
+        if quiet is None:
+            raise
+        raise _fail(quiet.crashed(e), 1) from None
 
 
 if __name__ == "__main__":

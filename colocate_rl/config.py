@@ -310,6 +310,9 @@ class LoggingConfig:
     wandb_mode: str = "auto"  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
     plot: bool = True
     progress: bool = True
+    # false: vLLM, megatron-core, Ray, torch and wandb log to <run folder>/run.log, and the console
+    # shows their errors only (colocate_rl/console.py); true: each prints as it would on its own
+    verbose: bool = False
 
 
 @dataclass

@@ -260,15 +260,17 @@ def check_family_features(cfg: Config, lay: Layout, hf: dict) -> None:
 # ---------------------------------------------------------------- the rollout section's views
 
 
-def rollout_views(r: RolloutConfig, sync: SyncConfig) -> tuple[Sampling, EngineSettings, Scheduling]:
-    """The rollout section split by job, as the code reads it (the user's keys stay rollout.*)."""
+def rollout_views(r: RolloutConfig, sync: SyncConfig, quiet: bool) -> tuple[Sampling, EngineSettings, Scheduling]:
+    """The rollout section split by job, as the code reads it (the user's keys stay rollout.*).
+    ``quiet`` (logging.verbose=false): vLLM loads the weights without a progress bar of its own."""
     sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_tokens=r.max_response_tokens,
                         seed=r.seed, seed_each_step=r.seed_each_step)
     engine = EngineSettings(backend=r.backend, tensor_parallel_size=r.tensor_parallel_size,
                             gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_memory_mb=r.kv_cache_memory_mb,
                             enforce_eager=r.enforce_eager, sleep_level=r.sleep_level,
                             weight_quantization=r.weight_quantization, multiprocess=r.multiprocess,
-                            compile_cache=r.compile_cache, direct=sync.direct, engine_kwargs=dict(r.engine_kwargs))
+                            compile_cache=r.compile_cache, direct=sync.direct,
+                            engine_kwargs={**({"use_tqdm_on_load": False} if quiet else {}), **r.engine_kwargs})
     scheduling = Scheduling(off_policy=r.off_policy, custom_fn=r.custom_fn, max_engine_restarts=r.max_engine_restarts,
                             dynamic_sampling=r.dynamic_sampling, dynamic_max_rounds=r.dynamic_max_rounds)
     return sampling, engine, scheduling
@@ -409,7 +411,7 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     lay = placements.layout(cfg.placement, cfg.actor, cfg.rollout)
     launcher = placements.launcher(cfg.placement, lay)
     check_rules(cfg, lay, launcher)
-    sampling, engine, scheduling = rollout_views(cfg.rollout, cfg.sync)
+    sampling, engine, scheduling = rollout_views(cfg.rollout, cfg.sync, quiet=not cfg.logging.verbose)
     check_names(cfg)
     hf = model_config(cfg)
     max_model_len = context_length(cfg, hf)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from colocate_rl import platform
+from colocate_rl import console, platform
 from colocate_rl.config import PlacementConfig
 from colocate_rl.errors import first_line
 from colocate_rl.placement.nodes import gather, network_env, short, where
@@ -46,7 +46,15 @@ def start_ray(pl: PlacementConfig, num_cpus: int | None = None) -> None:
         use_token_file(local_token_file())  # the local instance admits only this run's processes
     tmp = os.environ.get("RAY_TMPDIR", str(cache_dir() / "ray"))
     os.makedirs(tmp, mode=0o700, exist_ok=True)
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": NOSET})
+    # A quiet console (console.py) is quiet on every node: its settings reach the workers, and each
+    # worker logs to the run's log from its start. Here, Ray's logger gave up the console handler
+    # its import gave it.
+    quiet = console.child_env()
+    runtime_env: dict[str, Any] = {"env_vars": {**NOSET, **quiet}}
+    if console.CONFIG_ENV in quiet:
+        runtime_env["worker_process_setup_hook"] = f"{console.__name__}.configure"
+        console.configure()
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
     if pl.ray_address:
         ray.init(address=pl.ray_address, **kwargs)
     else:

@@ -31,6 +31,16 @@ def test_smoke_runs_the_tiny_recipe(tmp_path):
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     cfg = (run / "config.yaml").read_text()
     assert re.search(r"^rollout:\n  'n': 4$", cfg, re.M), "the key=value override did not reach the recipe"
+    # A quiet start (console.py): the config and plan once, then the run's own lines; vLLM's INFO
+    # records, megatron-core's and torch's warnings are in the run's log, not on the console.
+    assert proc.stdout.count("resolved config:") == 1 and "\nkernels: " in proc.stdout
+    console = proc.stdout + proc.stderr
+    for library_line in (r"\bINFO\b", r"\bWARNING\b", r"GPTModel IS DEPRECATED", r"\] Warning: ", r"^wandb:",
+                         r"UserWarning", r"Loading safetensors"):
+        assert not re.search(library_line, console, re.M), (library_line, console[-3000:])
+    log = run / "run.log"
+    assert log.stat().st_mode & 0o777 == 0o600
+    assert re.search(r" INFO vllm\.", log.read_text()) and "GPTModel IS DEPRECATED" in log.read_text()
     print(f"smoke: {time.time() - start:.0f} s")
 
 

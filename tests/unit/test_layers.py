@@ -12,6 +12,7 @@ PKG = Path(__file__).resolve().parents[2] / "colocate_rl"
 # Top-level module or sub-package of colocate_rl -> layer.
 LAYERS = {
     "types": 0, "config": 0, "resolved": 0, "errors": 0, "platform": 0, "faults": 0, "ports": 0, "private": 0,
+    "console": 0,
     "algorithms": 1, "rewards": 1, "data": 1, "weight_sync": 1, "models": 1, "tools": 1,
     "trainer": 2, "rollout": 2,
     "memory": 3, "eval": 3, "metrics": 3, "workers": 3, "handoff": 3,

@@ -45,6 +45,13 @@ def test_each_setting_reaches_the_engine():
 def test_user_engine_kwargs_come_last():
     k = kwargs("rollout.exact=true", "rollout.engine_kwargs={enforce_eager: true, max_num_seqs: 7}")
     assert k["enforce_eager"] is True and k["max_num_seqs"] == 7
+    assert kwargs("rollout.engine_kwargs={use_tqdm_on_load: true}")["use_tqdm_on_load"] is True
+
+
+def test_the_engine_loads_quietly_unless_logging_is_verbose():
+    """The quiet console (console.py): no progress bar of vLLM's own while it loads the weights."""
+    assert kwargs()["use_tqdm_on_load"] is False
+    assert "use_tqdm_on_load" not in kwargs("logging.verbose=true")  # vLLM's default: a bar
 
 
 def test_fp8_engine_without_compressed_tensors_stops_in_one_line(monkeypatch):
