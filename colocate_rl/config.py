@@ -351,6 +351,9 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     steps: int = 100
+    # > 0: this command runs at most this many steps, writes a checkpoint and exits; the same command
+    # again (with logging.run_name) continues from it, so a long run goes in pieces of a few minutes.
+    stop_after: int = 0
     seed: int = 0
     recipe: str = ""
     preset: str = ""
@@ -581,6 +584,7 @@ RANGES: dict[str, Range] = {
     "sft.stop_at_accuracy": Range(0, 1, note="0: run sft.steps"),
     "supervise.max_restarts": Range(0, note="0: not supervised"),
     "steps": COUNT,
+    "stop_after": Range(0, note="0: run to the last step"),
     "seed": SEED,
 }
 

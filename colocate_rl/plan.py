@@ -213,6 +213,9 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.routing_replay and not lay.on_gpu:
         raise ConfigError("rollout.routing_replay=true needs GPUs: vLLM's CPU build cannot return routed experts "
                           "(placement.gpus_per_node=0 is the CPU)")
+    if cfg.stop_after and not cfg.logging.run_name:
+        raise ConfigError(f"stop_after={cfg.stop_after} needs logging.run_name: the next piece continues from "
+                          "that run folder's checkpoint")
     if r.backend == "transformers" and launcher != "local":
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
