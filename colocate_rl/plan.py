@@ -242,8 +242,8 @@ def check_family_features(cfg: Config, lay: Layout, hf: dict) -> None:
 
 def rollout_views(r: RolloutConfig, sync: SyncConfig) -> tuple[Sampling, EngineSettings, Scheduling]:
     """The rollout section split by job, as the code reads it (the user's keys stay rollout.*)."""
-    sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_tokens=r.max_response_tokens,
-                        seed=r.seed, seed_each_step=r.seed_each_step)
+    sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
+                        max_response_tokens=r.max_response_tokens, seed=r.seed, seed_each_step=r.seed_each_step)
     engine = EngineSettings(backend=r.backend, tensor_parallel_size=r.tensor_parallel_size,
                             gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_memory_mb=r.kv_cache_memory_mb,
                             enforce_eager=r.enforce_eager, sleep_level=r.sleep_level,

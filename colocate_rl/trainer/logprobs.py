@@ -30,6 +30,9 @@ from colocate_rl.platform import compiled
 
 # fp32 elements of one chunk's temporaries (256 MiB): rows per chunk = this // the vocabulary slice.
 CHUNK_ELEMENTS = 1 << 26
+# Logits per chunk when finding the sampler's support (top-k / top-p): its sort, softmax and sums
+# take ~6 temporaries of this many fp32 values, over whole rows of the vocabulary.
+SUPPORT_CHUNK_ELEMENTS = 1 << 24
 
 
 def _tp_group():
@@ -40,8 +43,8 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
 
 
-def _chunks(n: int, width: int):
-    rows = max(1, CHUNK_ELEMENTS // max(width, 1))
+def _chunks(n: int, width: int, elements: int = 0):
+    rows = max(1, (elements or CHUNK_ELEMENTS) // max(width, 1))
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
@@ -140,6 +143,65 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
     lp = _VocabParallelLogprobs.apply(logits.reshape(b * t, width), targets, float(temperature), fused).view(b, t)
     return torch.nn.functional.pad(lp[:, :-1], (1, 0))
+
+
+def sampler_support(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """x [N, V] float32, the logits after the temperature → [N, V] bool: the tokens vLLM's sampler
+    keeps, as its top-k then top-p filter keeps them (vllm/v1/sample/ops/topk_topp_sampler.py,
+    apply_top_k_top_p_pytorch, its CPU path): top-k keeps every logit at least the k-th largest (all
+    ties at the k-th); top-p sorts the survivors ascending and drops those whose probability, summed
+    from the least likely up, stays <= 1 - top_p (computed in fp32, as vLLM's float32 top_p tensor
+    does), never the most likely token. Of tokens tied at the top-p boundary, the lower id goes
+    first (a stable sort, as vLLM's CPU sort orders them). top_k 0 or >= V, top_p 1: no filter."""
+    n, vocab = x.shape
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep &= x >= x.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1.0:
+        ascending, order = x.masked_fill(~keep, float("-inf")).sort(dim=-1, stable=True)
+        mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass <= 1 - torch.tensor(top_p, dtype=torch.float32, device=x.device)
+        drop[:, -1] = False
+        keep &= ~drop.scatter(-1, order, drop)
+    return keep
+
+
+@torch.no_grad()
+def _sampled_support(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int,
+                     top_p: float) -> torch.Tensor:
+    """logits [N, V/tp], targets [N] (global ids) → [N, V/tp] bool: sampler_support of each row's
+    whole vocabulary at ``temperature`` (gathered over the tensor-parallel group chunk by chunk),
+    this rank's slice of it, with the target always kept: where the two sides' logits differ
+    slightly the boundary can move, and a sampled token must keep a finite logprob."""
+    group, rank = _tp_group()
+    n, width = logits.shape
+    world = 1 if group is None else dist.get_world_size(group)
+    t = torch.full((1,), temperature, dtype=torch.float32, device=logits.device)  # divided as vLLM divides
+    keep = torch.empty(n, width, dtype=torch.bool, device=logits.device)
+    for rows in _chunks(n, width * world, SUPPORT_CHUNK_ELEMENTS):
+        x = logits[rows].float()
+        if group is not None:
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            x = torch.cat(parts, dim=-1)
+        kept = sampler_support(x / t, top_k, top_p)
+        kept[torch.arange(kept.shape[0], device=kept.device), targets[rows]] = True
+        keep[rows] = kept[:, rank * width:(rank + 1) * width]
+    return keep
+
+
+def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_k: int = 0,
+                           top_p: float = 1.0, fused: bool = False) -> torch.Tensor:
+    """token_logprobs of the distribution vLLM samples from under top-k / top-p: the logits outside
+    ``sampler_support`` are -inf, so each logprob is renormalised over the tokens the sampler kept,
+    as vLLM's processed logprobs are. No gradient reaches the dropped logits. With neither filter
+    this is token_logprobs itself."""
+    if top_k <= 0 and top_p >= 1.0:
+        return token_logprobs(logits, tokens, temperature, fused)
+    b, t, width = logits.shape
+    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
+    keep = _sampled_support(logits.reshape(b * t, width), targets, temperature, top_k, top_p).view(b, t, width)
+    return token_logprobs(logits.masked_fill(~keep, float("-inf")), tokens, temperature, fused)
 
 
 @torch.no_grad()
