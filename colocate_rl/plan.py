@@ -171,6 +171,10 @@ def check_exact(cfg: Config) -> None:
     if cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")
+    if r.top_p < 1 or r.top_k > 0:
+        field = f"rollout.top_p={r.top_p}" if r.top_p < 1 else f"rollout.top_k={r.top_k}"
+        raise ConfigError(f"rollout.exact=true samples the whole distribution: {field} truncates it with vLLM's "
+                          "GPU top-k/top-p kernel, which the actor does not replay bit for bit")
 
 
 def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:

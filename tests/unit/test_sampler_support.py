@@ -110,3 +110,16 @@ def test_without_a_filter_the_logprobs_are_the_untruncated_ones_bit_for_bit():
 def test_sampling_says_when_it_truncates(temperature, top_k, top_p, truncated):
     s = Sampling(n=2, temperature=1.0, top_p=1.0, top_k=0, max_response_tokens=4, seed=0, seed_each_step=True)
     assert dataclasses.replace(s, temperature=temperature, top_k=top_k, top_p=top_p).truncated is truncated
+
+
+def test_rollout_top_k_reaches_the_sampling_settings_with_minus_one_as_off():
+    from colocate_rl.config import Config, ModelConfig, load
+    from colocate_rl.plan import rollout_views
+
+    def sampling(*overrides):
+        cfg = load(Config(model=ModelConfig(path="m")), overrides=list(overrides))
+        return rollout_views(cfg.rollout, cfg.sync)[0]
+
+    assert sampling("rollout.top_k=-1").top_k == 0 and not sampling("rollout.top_k=-1").truncated
+    assert sampling("rollout.top_k=40").top_k == 40 and sampling("rollout.top_k=40").truncated
+    assert sampling("rollout.top_p=0.9").truncated and not sampling().truncated
