@@ -147,23 +147,27 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def sampler_support(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """x [N, V] float32, the logits after the temperature → [N, V] bool: the tokens vLLM's sampler
-    keeps, as its top-k then top-p filter keeps them (vllm/v1/sample/ops/topk_topp_sampler.py,
-    apply_top_k_top_p_pytorch, its CPU path): top-k keeps every logit at least the k-th largest (all
-    ties at the k-th); top-p sorts the survivors ascending and drops those whose probability, summed
-    from the least likely up, stays <= 1 - top_p (computed in fp32, as vLLM's float32 top_p tensor
-    does), never the most likely token. Of tokens tied at the top-p boundary, the lower id goes
-    first (a stable sort, as vLLM's CPU sort orders them). top_k 0 or >= V, top_p 1: no filter."""
-    n, vocab = x.shape
-    keep = torch.ones_like(x, dtype=torch.bool)
-    if 0 < top_k < vocab:
-        keep &= x >= x.topk(top_k, dim=-1).values[:, -1:]
-    if top_p < 1.0:
-        ascending, order = x.masked_fill(~keep, float("-inf")).sort(dim=-1, stable=True)
-        mass = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = mass <= 1 - torch.tensor(top_p, dtype=torch.float32, device=x.device)
-        drop[:, -1] = False
-        keep &= ~drop.scatter(-1, order, drop)
-    return keep
+    keeps, computed as its top-k then top-p filter computes them (vllm/v1/sample/ops/
+    topk_topp_sampler.py, apply_top_k_top_p_pytorch: its CPU path). Top-k keeps every logit at
+    least the k-th largest (all ties at the k-th). Top-p sorts the row ascending (torch's default
+    sort, as vLLM calls it), drops the top-k cut, and then every token whose probability summed from
+    the least likely up stays <= 1 - top_p (in fp32, as vLLM's float32 top_p tensor), never the most
+    likely one; of tokens tied at that boundary, the sort's order decides which go first.
+    top_k 0 or >= V, top_p 1: no filter."""
+    vocab = x.shape[-1]
+    top_k = top_k if 0 < top_k < vocab else 0
+    if top_p >= 1.0:
+        if not top_k:
+            return torch.ones_like(x, dtype=torch.bool)
+        return x >= x.topk(top_k, dim=-1).values[:, -1:]  # vLLM's top-k without a sort
+    ascending, order = x.sort(dim=-1)
+    if top_k:
+        ascending = ascending.masked_fill(ascending < ascending[:, vocab - top_k, None], float("-inf"))
+    mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass <= 1 - torch.tensor(top_p, dtype=torch.float32, device=x.device)
+    drop[:, -1] = False
+    kept = ascending.masked_fill(drop, float("-inf")).isfinite()
+    return torch.empty_like(kept).scatter_(-1, order, kept)
 
 
 @torch.no_grad()
