@@ -42,7 +42,7 @@ class RolloutConfig:
     # whose probability adds up to top_p (1: all), after the temperature, and samples from them
     # renormalised. The actor then scores the same truncated distribution: it replays the filter on
     # its own logits (trainer/logprobs.py), so an unchanged policy has IS weights of 1 and the
-    # policy trained is the one sampled (docs/algorithms.md, "Truncated sampling").
+    # policy trained is the one sampled (docs/recipes.md, "Truncated sampling": when to use it).
     top_p: float = 1.0
     top_k: int = 0
     max_response_tokens: int = 256
