@@ -2,7 +2,8 @@
 real megatron-core actor holding the same fp32 weights: the actor scores the distribution vLLM
 sampled from, so every token's IS weight exp(actor - rollout) is 1 within fp32 rounding (1e-6),
 where the untruncated logprobs miss by the log of the kept mass. trainer.logprobs.sampler_support
-keeps exactly the tokens vLLM's own filter keeps, ties included."""
+keeps exactly the tokens vLLM's own filter keeps, ties included; two tensor-parallel ranks, each
+holding half the vocabulary, score and train as one does."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import dataclasses
 import pytest
 import torch
 
-from colocate_rl.config import Config
+from colocate_rl.config import Config, ModelConfig
 from colocate_rl.trainer.logprobs import sampler_support
 from colocate_rl.types import Sample
 
-from batches import build_actor, build_engine
+from batches import build_actor, build_engine, step_view, synthetic_batch
 
 PROMPTS = ["1+2=", "What is 7+8?", "Answer: 4", "user\n3*4="]
 TEMPERATURE = 0.7  # the filter runs on the logits after the temperature: not 1, so that order is tested
+LENS = [12, 9, 11, 6, 10, 7, 12, 5]  # tokens per row of the synthetic batch (4 prompts x 2 samples)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +87,34 @@ def test_the_support_is_vllms_own_filter():
         kept_min = torch.where(ours, x, float("inf")).amin(-1, keepdim=True)
         ties += int(((x == kept_min) & ~ours).any(-1).sum())
     assert ties > 50  # the comparison covers ties cut at the boundary, not only clear cuts
+
+
+def truncated_step_view(path: str, tp: int) -> dict:
+    """batches.step_view of an fp32 actor at actor.tp=tp sampling at top_p 0.8 after top_k 50, and
+    its untruncated logprobs of the same batch before the step ("full")."""
+    cfg = Config(model=ModelConfig(path=path, dtype="float32"))
+    cfg.actor.tp, cfg.actor.lr, cfg.actor.micro_batch_size = tp, 1e-3, 2
+    cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k = TEMPERATURE, 0.8, 50
+    actor = build_actor(cfg)
+    truncated = actor.sampling
+    actor.sampling = dataclasses.replace(truncated, top_p=1.0, top_k=0)
+    full = actor.compute_logprobs(synthetic_batch(LENS, seed=1))
+    actor.sampling = truncated
+    return {**step_view(actor, LENS), "full": full}
+
+
+# Slow: one spawn of two fresh processes importing torch + megatron-core (~15-25 s on 2 cores).
+@pytest.mark.slow
+def test_tensor_parallel_ranks_filter_the_whole_vocabulary(tiny_model):
+    """Each rank holds half the vocabulary: the filter runs on the rows gathered whole, so two ranks
+    score and train as one does."""
+    from colocate_rl.trainer import run_on_ranks
+
+    path = str(tiny_model("qwen3-small"))
+    par, ref = run_on_ranks(truncated_step_view, 2, path, 2), truncated_step_view(path, 1)
+    for key in ("before", "after"):
+        assert (par[key] - ref[key]).abs().max().item() <= 1e-5, key
+    assert par["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert par["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    mask = synthetic_batch(LENS, seed=1).loss_mask
+    assert (ref["before"] - ref["full"])[mask].min() > 0.1  # the filter cut every position
