@@ -61,7 +61,8 @@ def test_top_k_runs_before_top_p():
     # The other order (top-p, then top-k 3) would keep [True, True, True, False].
 
 
-def test_truncated_logprobs_renormalise_over_the_kept_tokens():
+@pytest.mark.parametrize("fused", [False, True])  # fused: the compiled kernels' code, run eagerly here
+def test_truncated_logprobs_renormalise_over_the_kept_tokens(fused):
     torch.manual_seed(0)
     logits = torch.randn(2, 6, 40)
     tokens = torch.randint(0, 40, (2, 6))
@@ -76,7 +77,7 @@ def test_truncated_logprobs_renormalise_over_the_kept_tokens():
     assert 0 < keep.sum(-1).min() and keep.sum(-1).max() < 25  # both filters cut something
 
     ours_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    ours = sampled_token_logprobs(ours_in, tokens, temperature, top_k, top_p)
+    ours = sampled_token_logprobs(ours_in, tokens, temperature, top_k, top_p, fused=fused)
     ref = (ref_in / temperature).masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     ref = torch.nn.functional.pad(ref[:, :-1], (1, 0))
     assert (ours - ref).abs().max() < 1e-6 and (ours[:, 0] == 0).all()
