@@ -65,8 +65,9 @@ _FINITE_CHECK_NUMEL = 1 << 26  # gradients per slice of the inf/NaN check (64 Mi
 class Actor:
     """Built from ``model`` (HF folder, dtype), ``actor`` (parallelism, optimizer), ``algorithm``
     (loss), ``sampling`` (the logprobs are of the sampling distribution: its temperature and top-k /
-    top-p filter, its longest response), ``resolved`` (the plan's kernels, exact mode, routing replay, the schedule's length)
-    and ``seed`` (megatron-core's model-parallel RNG). A choice of ``resolved`` it cannot run raises.
+    top-p filter, its longest response), ``resolved`` (the plan's kernels, exact mode, routing
+    replay, the schedule's length) and ``seed`` (megatron-core's model-parallel RNG). A choice of
+    ``resolved`` it cannot run raises.
 
     Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
     (Megatron optimizer, or ``HostAdam`` with ``actor.optimizer_cpu_offload``), ``scheduler``

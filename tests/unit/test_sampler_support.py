@@ -78,8 +78,8 @@ def test_truncated_logprobs_renormalise_over_the_kept_tokens(fused):
 
     ours_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     ours = sampled_token_logprobs(ours_in, tokens, temperature, top_k, top_p, fused=fused)
-    ref = (ref_in / temperature).masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-    ref = torch.nn.functional.pad(ref[:, :-1], (1, 0))
+    ref = (ref_in / temperature).masked_fill(~keep, float("-inf")).log_softmax(-1)
+    ref = torch.nn.functional.pad(ref.gather(-1, targets[..., None])[:, :-1, 0], (1, 0))
     assert (ours - ref).abs().max() < 1e-6 and (ours[:, 0] == 0).all()
     # Each logprob is the untruncated one minus log(the kept mass): larger, never smaller.
     full = token_logprobs(logits, tokens, temperature)
