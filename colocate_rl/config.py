@@ -38,7 +38,13 @@ class ModelConfig:
 class RolloutConfig:
     n: int = 8  # samples per prompt (the GRPO group size)
     temperature: float = 1.0
+    # Truncated sampling: vLLM keeps the top_k most likely tokens (0 or -1: all), then the fewest
+    # whose probability adds up to top_p (1: all), after the temperature, and samples from them
+    # renormalised. The actor then scores the same truncated distribution: it replays the filter on
+    # its own logits (trainer/logprobs.py), so an unchanged policy has IS weights of 1 and the
+    # policy trained is the one sampled (docs/recipes.md, "Truncated sampling": when to use it).
     top_p: float = 1.0
+    top_k: int = 0
     max_response_tokens: int = 256
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -519,6 +525,7 @@ RANGES: dict[str, Range] = {
     "rollout.n": COUNT,
     "rollout.temperature": Range(0, note="0 samples greedily"),
     "rollout.top_p": FRACTION,
+    "rollout.top_k": Range(-1, note="0 or -1: every token"),
     "rollout.max_response_tokens": COUNT,
     "rollout.seed": SEED,
     "rollout.tensor_parallel_size": COUNT,

@@ -194,6 +194,10 @@ def check_exact(cfg: Config) -> None:
     if cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")
+    if r.top_p < 1 or r.top_k > 0:
+        field = f"rollout.top_p={r.top_p}" if r.top_p < 1 else f"rollout.top_k={r.top_k}"
+        raise ConfigError(f"rollout.exact=true samples the whole distribution: {field} truncates it with vLLM's "
+                          "GPU top-k/top-p kernel, which the actor does not replay bit for bit")
 
 
 def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
@@ -266,8 +270,8 @@ def check_family_features(cfg: Config, lay: Layout, hf: dict) -> None:
 def rollout_views(r: RolloutConfig, sync: SyncConfig, quiet: bool) -> tuple[Sampling, EngineSettings, Scheduling]:
     """The rollout section split by job, as the code reads it (the user's keys stay rollout.*).
     ``quiet`` (logging.verbose=false): vLLM loads the weights without a progress bar of its own."""
-    sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_tokens=r.max_response_tokens,
-                        seed=r.seed, seed_each_step=r.seed_each_step)
+    sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
+                        max_response_tokens=r.max_response_tokens, seed=r.seed, seed_each_step=r.seed_each_step)
     engine = EngineSettings(backend=r.backend, tensor_parallel_size=r.tensor_parallel_size,
                             gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_memory_mb=r.kv_cache_memory_mb,
                             enforce_eager=r.enforce_eager, sleep_level=r.sleep_level,

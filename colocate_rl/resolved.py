@@ -75,14 +75,21 @@ class Resolved:
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a rollout batch is drawn with (rollout.n, temperature, top_p, max_response_tokens, seed)."""
+    """What a rollout batch is drawn with (rollout.n, temperature, top_p, top_k, max_response_tokens, seed)."""
 
     n: int
     temperature: float
     top_p: float
+    top_k: int  # 0: no top-k (rollout.top_k=-1 too)
     max_response_tokens: int
     seed: int
     seed_each_step: bool
+
+    @property
+    def truncated(self) -> bool:
+        """Top-k or top-p cuts the sampled distribution. Not at temperature 0: vLLM samples greedily
+        there and reports the untruncated logprobs."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
 
     def step_seed(self, step: int) -> Optional[int]:
         """Seed of step ``step``'s requests (None: the engine's own generator). Seeding every request

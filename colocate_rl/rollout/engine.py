@@ -215,9 +215,9 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
         kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
         if r.kv_cache_memory_mb:
             kwargs["kv_cache_memory_bytes"] = r.kv_cache_memory_mb * 2**20
-    # Logprobs of the distribution actually sampled from (after temperature), which is what the
-    # actor re-scores (trainer.Actor divides its logits by rollout.temperature); vLLM's default
-    # returns the raw model's logprobs.
+    # Logprobs of the distribution actually sampled from (after temperature, top-k and top-p), which
+    # is what the actor re-scores (trainer.Actor divides its logits by rollout.temperature and
+    # replays the filter); vLLM's default returns the raw model's logprobs.
     kwargs["logprobs_mode"] = "processed_logprobs"
     if resolved.routing_replay:
         # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
@@ -372,7 +372,7 @@ class RolloutEngine:
         params = [
             SamplingParams(
                 n=n, temperature=r.temperature if temperature is None else temperature,
-                top_p=r.top_p if top_p is None else top_p,
+                top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
                 max_tokens=r.max_response_tokens if max_tokens is None else max_tokens, logprobs=0,
                 seed=None if seed is None else seed + i * n, stop_token_ids=self.eos_ids, detokenize=False,
             )

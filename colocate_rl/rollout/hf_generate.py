@@ -10,9 +10,9 @@ side (re-scoring, GRPO steps, weight export) is the same as with vLLM.
 
 Samples are drawn prompt by prompt (n copies of one prompt need no padding, and DeepSeek-V4's
 compressor ignores attention masks); logprobs are of the sampling distribution (logits divided by
-the temperature, after top-p), as vLLM reports them with processed_logprobs. Weights arrive as
-the actor exports them and are copied in place; the model family says which transformers tensor
-holds an exported name (``Family.hf_tensor``) and how to build the model (``Family.hf_model``).
+the temperature, after top-k then top-p), as vLLM reports them with processed_logprobs. Weights
+arrive as the actor exports them and are copied in place; the model family says which transformers
+tensor holds an exported name (``Family.hf_tensor``) and how to build the model (``Family.hf_model``).
 One process (the actor's), no sleep mode, no broadcast: the plan allows it in a world of one only.
 """
 
@@ -74,7 +74,7 @@ class TransformersRollout:
             ids = torch.tensor([list(s.prompt_ids)] * n)
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=temp > 0, temperature=temp if temp > 0 else None,
-                top_p=top_p if temp > 0 else None, top_k=0, max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
+                top_p=top_p if temp > 0 else None, top_k=r.top_k, max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True,
             )
             new = out.sequences[:, ids.shape[1]:]

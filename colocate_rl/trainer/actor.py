@@ -47,7 +47,7 @@ from colocate_rl.trainer.batching import minibatches, rank_micro_batches
 from colocate_rl.trainer.census import SavedTensorCensus
 from colocate_rl.trainer.distributed import init_model_parallel, init_process_group
 from colocate_rl.trainer.host_adam import HostAdam
-from colocate_rl.trainer.logprobs import greedy_hits, token_logprobs
+from colocate_rl.trainer.logprobs import greedy_hits, sampled_token_logprobs, token_logprobs
 from colocate_rl.trainer.offload import HostOffload
 from colocate_rl.trainer.reference import Reference
 from colocate_rl.types import RolloutBatch
@@ -64,9 +64,10 @@ _FINITE_CHECK_NUMEL = 1 << 26  # gradients per slice of the inf/NaN check (64 Mi
 
 class Actor:
     """Built from ``model`` (HF folder, dtype), ``actor`` (parallelism, optimizer), ``algorithm``
-    (loss), ``sampling`` (the logprobs are of the sampling distribution: its temperature, its longest
-    response), ``resolved`` (the plan's kernels, exact mode, routing replay, the schedule's length)
-    and ``seed`` (megatron-core's model-parallel RNG). A choice of ``resolved`` it cannot run raises.
+    (loss), ``sampling`` (the logprobs are of the sampling distribution: its temperature and top-k /
+    top-p filter, its longest response), ``resolved`` (the plan's kernels, exact mode, routing
+    replay, the schedule's length) and ``seed`` (megatron-core's model-parallel RNG). A choice of
+    ``resolved`` it cannot run raises.
 
     Public state (for checkpointing): ``model`` (Megatron DDP around the GPTModel), ``optimizer``
     (Megatron optimizer, or ``HostAdam`` with ``actor.optimizer_cpu_offload``), ``scheduler``
@@ -232,6 +233,15 @@ class Actor:
             return exact.token_logprobs(logits, tokens, temperature, v2=self._exact_v2)
         return token_logprobs(logits, tokens, temperature, fused=self.resolved.kernels.logprobs == "fused")
 
+    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, t] logprobs of the distribution the rollout samples from: at its temperature and, under
+        rollout.top_k / top_p, renormalised over the tokens its filter keeps (as vLLM reports them)."""
+        s = self.sampling
+        if not s.truncated:  # exact mode never truncates (colocate_rl.plan)
+            return self._token_logprobs(logits, tokens, s.temperature)
+        return sampled_token_logprobs(logits, tokens, s.temperature, s.top_k, s.top_p,
+                                      fused=self.resolved.kernels.logprobs == "fused")
+
     def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """This rank's micro-batches of ``rows`` (trainer/batching.py), by actor.micro_batch_tokens or
         actor.micro_batch_size."""
@@ -319,10 +329,9 @@ class Actor:
         lengths = batch.attention_mask.sum(1)
         mine = self._micro_batches(torch.arange(b), lengths)
         items = [(batch.select(rows).to(self.device), rows) for rows in mine]
-        temperature = self.sampling.temperature
 
         def logprobs_of(item, tokens, output, non_loss_data=False):
-            return self._token_logprobs(output, tokens, temperature)
+            return self._sampled_logprobs(output, tokens)
 
         outputs = self._run(items, logprobs_of, forward_only=True, model=model)
         out = torch.zeros(b, t, dtype=torch.float32, device=self.device)
@@ -359,7 +368,7 @@ class Actor:
             if lp is not None and lp.shape != batch.tokens.shape:
                 raise ValueError(f"{name} has shape {tuple(lp.shape)}, expected {tuple(batch.tokens.shape)}")
         self._check_routing(batch)
-        alg, temperature, dev = self.algorithm, self.sampling.temperature, self.device
+        alg, dev = self.algorithm, self.device
         ref_s = 0.0
         if alg.kl_coef > 0 and ref_logprobs is None:
             t0 = time.perf_counter()
@@ -368,7 +377,7 @@ class Actor:
 
         def grpo_loss(counts, item, tokens, output):
             mb, old, ref = item
-            lp = self._token_logprobs(output, tokens, temperature)
+            lp = self._sampled_logprobs(output, tokens)
             loss, metrics = policy_loss(
                 lp, lp.detach() if old is None else old, mb.rollout_logprobs, mb.advantages, mb.loss_mask, alg,
                 ref_logprobs=ref, max_response_tokens=self.sampling.max_response_tokens, **counts,

@@ -31,6 +31,9 @@ from colocate_rl.platform import compiled
 
 # fp32 elements of one chunk's temporaries (256 MiB): rows per chunk = this // the vocabulary slice.
 CHUNK_ELEMENTS = 1 << 26
+# Logits per chunk when finding the sampler's support (top-k / top-p): its sort, softmax and sums
+# take ~6 temporaries of this many fp32 values, over whole rows of the vocabulary.
+SUPPORT_CHUNK_ELEMENTS = 1 << 24
 
 
 def _tp_group():
@@ -41,8 +44,8 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
 
 
-def _chunks(n: int, width: int):
-    rows = max(1, CHUNK_ELEMENTS // max(width, 1))
+def _chunks(n: int, width: int, elements: int = 0):
+    rows = max(1, (elements or CHUNK_ELEMENTS) // max(width, 1))
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
@@ -141,6 +144,69 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
     lp = _VocabParallelLogprobs.apply(logits.reshape(b * t, width), targets, float(temperature), fused).view(b, t)
     return torch.nn.functional.pad(lp[:, :-1], (1, 0))
+
+
+def sampler_support(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """x [N, V] float32, the logits after the temperature → [N, V] bool: the tokens vLLM's sampler
+    keeps, computed as its top-k then top-p filter computes them (vllm/v1/sample/ops/
+    topk_topp_sampler.py, apply_top_k_top_p_pytorch: its CPU path). Top-k keeps every logit at
+    least the k-th largest (all ties at the k-th). Top-p sorts the row ascending (torch's default
+    sort, as vLLM calls it), drops the top-k cut, and then every token whose probability summed from
+    the least likely up stays <= 1 - top_p (in fp32, as vLLM's float32 top_p tensor), never the most
+    likely one; of tokens tied at that boundary, the sort's order decides which go first.
+    top_k 0 or >= V, top_p 1: no filter."""
+    vocab = x.shape[-1]
+    top_k = top_k if 0 < top_k < vocab else 0
+    if top_p >= 1.0:
+        if not top_k:
+            return torch.ones_like(x, dtype=torch.bool)
+        return x >= x.topk(top_k, dim=-1).values[:, -1:]  # vLLM's top-k without a sort
+    ascending, order = x.sort(dim=-1)
+    if top_k:
+        ascending = ascending.masked_fill(ascending < ascending[:, vocab - top_k, None], float("-inf"))
+    mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass <= 1 - torch.tensor(top_p, dtype=torch.float32, device=x.device)
+    drop[:, -1] = False
+    kept = ascending.masked_fill(drop, float("-inf")).isfinite()
+    return torch.empty_like(kept).scatter_(-1, order, kept)
+
+
+@torch.no_grad()
+def _sampled_support(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int,
+                     top_p: float) -> torch.Tensor:
+    """logits [N, V/tp], targets [N] (global ids) → [N, V/tp] bool: sampler_support of each row's
+    whole vocabulary at ``temperature`` (gathered over the tensor-parallel group chunk by chunk),
+    this rank's slice of it, with the target always kept: where the two sides' logits differ
+    slightly the boundary can move, and a sampled token must keep a finite logprob."""
+    group, rank = _tp_group()
+    n, width = logits.shape
+    world = 1 if group is None else dist.get_world_size(group)
+    t = torch.full((1,), temperature, dtype=torch.float32, device=logits.device)  # divided as vLLM divides
+    keep = torch.empty(n, width, dtype=torch.bool, device=logits.device)
+    for rows in _chunks(n, width * world, SUPPORT_CHUNK_ELEMENTS):
+        x = logits[rows].float()
+        if group is not None:
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            x = torch.cat(parts, dim=-1)
+        kept = sampler_support(x / t, top_k, top_p)
+        kept[torch.arange(kept.shape[0], device=kept.device), targets[rows]] = True
+        keep[rows] = kept[:, rank * width:(rank + 1) * width]
+    return keep
+
+
+def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_k: int = 0,
+                           top_p: float = 1.0, fused: bool = False) -> torch.Tensor:
+    """token_logprobs of the distribution vLLM samples from under top-k / top-p: the logits outside
+    ``sampler_support`` are -inf, so each logprob is renormalised over the tokens the sampler kept,
+    as vLLM's processed logprobs are. No gradient reaches the dropped logits. With neither filter
+    this is token_logprobs itself."""
+    if top_k <= 0 and top_p >= 1.0:
+        return token_logprobs(logits, tokens, temperature, fused)
+    b, t, width = logits.shape
+    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1)).reshape(-1)
+    keep = _sampled_support(logits.reshape(b * t, width), targets, temperature, top_k, top_p).view(b, t, width)
+    return token_logprobs(logits.masked_fill(~keep, float("-inf")), tokens, temperature, fused)
 
 
 @torch.no_grad()

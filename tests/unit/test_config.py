@@ -280,6 +280,8 @@ def test_every_numeric_field_has_a_range():
     ("actor.lr=nan", "actor.lr=nan must be a finite number >= 0"),
     ("algorithm.eps_high=-inf", "algorithm.eps_high=-inf must be a finite number >= 0"),
     ("rollout.top_p=0", "rollout.top_p=0.0 must be in (0, 1]"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+    ("rollout.top_k=-2", "rollout.top_k=-2 must be >= -1 (0 or -1: every token)"),
     ("actor.adam_beta2=1", "actor.adam_beta2=1.0 must be in [0, 1)"),
     ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
     ("placement.gpus_per_node=-2", "placement.gpus_per_node=-2 must be >= -1 (-1: this machine's GPUs, 0: the CPU)"),
@@ -290,8 +292,10 @@ def test_range_errors_read_as_the_rule(override, line):
 
 def test_ranges_let_their_edges_through():
     cfg = load(base(), overrides=["rollout.temperature=0", "rollout.top_p=1", "actor.adam_beta1=0", "seed=4294967295",
-                                  "reward.timeout_s=86400", "reward.workers=256", "checkpoint.keep=0"])
+                                  "reward.timeout_s=86400", "reward.workers=256", "checkpoint.keep=0",
+                                  "rollout.top_k=-1"])
     assert cfg.rollout.top_p == 1.0 and cfg.reward.workers == 256 and cfg.seed == 2**32 - 1
+    assert cfg.rollout.top_k == -1
 
 
 def test_min_lr_above_lr_and_too_many_cpu_ranks():

@@ -41,6 +41,10 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     one_line(lambda: plan.resolve(cfg(**{"actor.norm_kernel": "fused"})), "unset actor.norm_kernel=fused")
     # FlashAttention 3 has no float32 kernels (the tiny CPU recipe's dtype).
     one_line(lambda: plan.resolve(cfg(**{"model.dtype": "float32"})), "needs model.dtype=bfloat16 or float16, not float32")
+    # vLLM's GPU top-k/top-p kernel is not replayed bit for bit.
+    one_line(lambda: plan.resolve(cfg(**{"rollout.top_p": 0.9})), "rollout.exact=true samples the whole distribution: "
+             "rollout.top_p=0.9 truncates it")
+    one_line(lambda: plan.resolve(cfg(**{"rollout.top_k": 20})), "rollout.top_k=20 truncates it")
 
 
 def test_exact_spec_replaces_every_norm_attention_and_activation():
