@@ -1,6 +1,6 @@
 """The partial-rollout buffer (rollout/partial.py): which groups are in flight, what a step trains,
 how unfinished rows continue from their tokens, and the staleness bound. The engine side runs
-against vLLM in tests/integration/test_partial.py; here a scripted generator stands in for it:
+against vLLM in tests/integration/test_partial_rollouts.py; here a scripted generator stands in for it:
 each row has a length, and every call adds up to ``chunk`` tokens to every row it is given."""
 
 from __future__ import annotations
