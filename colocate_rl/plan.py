@@ -213,11 +213,14 @@ def check_partial(cfg: Config) -> None:
     if r.backend != "vllm":
         raise ConfigError(f"rollout.partial.enable=true needs rollout.backend=vllm: it aborts vLLM's requests "
                           f"and continues them (the {r.backend} backend generates whole batches)")
-    for name, on in (("rollout.custom_fn", bool(r.custom_fn)), ("rollout.dynamic_sampling", r.dynamic_sampling),
-                     ("rollout.routing_replay", r.routing_replay)):
+    for name, on, why in (
+            ("rollout.custom_fn", bool(r.custom_fn), "a step's batch is the groups partial rollouts complete"),
+            ("rollout.dynamic_sampling", r.dynamic_sampling, "its refills generate whole groups beside the rows in "
+                                                             "flight"),
+            ("rollout.routing_replay", r.routing_replay, "a continued row's routed experts are not joined across "
+                                                         "its steps")):
         if on:
-            raise ConfigError(f"rollout.partial.enable=true does not combine with {name}: a continued row's "
-                              "batch is assembled by rollout/partial.py alone")
+            raise ConfigError(f"rollout.partial.enable=true does not combine with {name}: {why}")
     if cfg.algorithm.is_clamp <= 0:
         raise ConfigError("rollout.partial.enable=true needs algorithm.is_clamp > 0: the token IS correction "
                           "weights the tokens a continued row got from earlier weights")

@@ -145,6 +145,6 @@ def test_the_plan_names_what_partial_rollouts_and_the_staleness_bound_need():
     assert "need rollout.partial.enable=true" in err("rollout.partial.over_sample=4")
     assert "rollout.partial.over_sample=-1 must be >= 0" in err("rollout.partial.over_sample=-1")
     on = "rollout.partial.enable=true"
-    assert "does not combine with rollout.dynamic_sampling" in err(on, "rollout.dynamic_sampling=true")
+    assert "does not combine with rollout.dynamic_sampling: its refills" in err(on, "rollout.dynamic_sampling=true")
     assert "needs rollout.backend=vllm" in err(on, "rollout.backend=transformers")
     assert "needs algorithm.is_clamp > 0" in err(on, "algorithm.is_clamp=0")
