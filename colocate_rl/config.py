@@ -36,7 +36,7 @@ class ModelConfig:
 
 @dataclass
 class PartialConfig:
-    """Partial rollouts (rollout/partial.py; docs/architecture.md, "Partial rollouts"): a step stops
+    """Partial rollouts (rollout/partial.py; docs/architecture.md, "Partial rollouts and stale samples"): a step stops
     generating once data.prompts_per_step groups are complete, aborts the rest and continues their
     rows from their tokens in a later step, so a step does not wait for its slowest sample."""
 
@@ -46,7 +46,8 @@ class PartialConfig:
     over_sample: int = 0
     # Leave a continued row's tokens from earlier steps out of the loss (they stay its context and
     # count for its reward); only the tokens of its last step train (slime's
-    # --mask-offpolicy-in-partial-rollout). Such rows are then never regenerated for rollout.max_staleness.
+    # --mask-offpolicy-in-partial-rollout), so rollout.max_staleness never restarts a continued row (a
+    # row that finished while its group waited is trained whole, and still may be).
     mask_offpolicy: bool = False
 
 
