@@ -35,6 +35,23 @@ class ModelConfig:
 
 
 @dataclass
+class PartialConfig:
+    """Partial rollouts (rollout/partial.py; docs/architecture.md, "Partial rollouts and stale samples"): a step stops
+    generating once data.prompts_per_step groups are complete, aborts the rest and continues their
+    rows from their tokens in a later step, so a step does not wait for its slowest sample."""
+
+    enable: bool = False
+    # Prompt groups in flight beyond data.prompts_per_step: the step stops when data.prompts_per_step
+    # of the prompts_per_step + over_sample groups are complete. 0 stops nothing early.
+    over_sample: int = 0
+    # Leave a continued row's tokens from earlier steps out of the loss (they stay its context and
+    # count for its reward); only the tokens of its last step train (slime's
+    # --mask-offpolicy-in-partial-rollout), so rollout.max_staleness never restarts a continued row (a
+    # row that finished while its group waited is trained whole, and still may be).
+    mask_offpolicy: bool = False
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8  # samples per prompt (the GRPO group size)
     temperature: float = 1.0
@@ -57,6 +74,11 @@ class RolloutConfig:
     # Disaggregated mode: generate step k+1 while step k trains (one step stale; the token IS
     # correction, algorithm.is_clamp, weights the stale samples).
     off_policy: bool = False
+    # k: no token the loss trains on lags the weights that train it by more than k versions. With
+    # off_policy the rollout runs k batches ahead (1: the one-step off-policy above). With partial
+    # rollouts a row continued past the bound is regenerated from its prompt (its tokens discarded).
+    max_staleness: int = 1
+    partial: PartialConfig = field(default_factory=PartialConfig)
     custom_fn: str = ""  # disaggregated mode: "pkg.module:function" producing a step's batch (rollout/buffer.py)
     # "fp8" = the rollout runs FP8 weights (GPU). A quantized checkpoint (Qwen/DeepSeek-V3 block FP8,
     # DeepSeek-V4's released FP8 + MXFP4) gets its weights quantized in its layout by the sender on
@@ -535,6 +557,8 @@ RANGES: dict[str, Range] = {
     "rollout.num_engines": Range(0, MAX_PROCESSES, note="0: as many as fit"),
     "rollout.max_engine_restarts": AT_LEAST_0,
     "rollout.dynamic_max_rounds": AT_LEAST_0,
+    "rollout.max_staleness": COUNT,
+    "rollout.partial.over_sample": Range(0, note="0: nothing stops early"),
     "actor.tp": COUNT,
     "actor.pp": COUNT,
     "actor.ep": COUNT,

@@ -9,9 +9,11 @@
     to_rollout the engines get the new weights (colocated, staged: offload → wake weights → sync →
                offload params → wake KV cache; disaggregated: a broadcast once generation is idle)
 
-With rollout.off_policy (disaggregated) the next step's batch is requested before training, so it is
-generated on the previous weights while this step trains (one step stale). Resume, warm-start,
-checkpoints and engine restarts are the same in both modes (handoff.py).
+With rollout.off_policy (disaggregated) the next rollout.max_staleness steps' batches are requested
+before training, so they are generated on earlier weights while this step trains (k steps stale).
+With rollout.partial the buffer's batch is the groups complete when generation stopped; unfinished
+rows wait for a later step (rollout/partial.py). Resume, warm-start, checkpoints and engine restarts
+are the same in both modes (handoff.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from colocate_rl.metrics import PhaseTimer, console_line
 from colocate_rl.plan import RunPlan
 from colocate_rl.rollout.base import EVAL_SEED_OFFSET
 from colocate_rl.rollout.dynamic import refill
+from colocate_rl.rollout.partial import version_lag
 from colocate_rl.session import Session, start_session
 from colocate_rl.types import RolloutBatch
 
@@ -72,8 +75,10 @@ def step(s: Session, last: bool = False) -> dict:
     with t("generate"):
         got = s.buffer.get()
     staleness = s.handoff.syncs - got.version  # weights versions between sampling and this update
-    if scheduling.off_policy and not last:
-        request(s, ahead=1)  # generated while this step trains
+    stale = scheduling.off_policy or scheduling.partial  # per-token lags to report
+    lag = version_lag(got.batch, s.handoff.syncs, got.version) if stale else {}
+    while scheduling.off_policy and not last and len(s.buffer) < scheduling.max_staleness:
+        request(s, ahead=len(s.buffer) + 1)  # generated while this step trains
     batch = got.batch
     with t("reward"):
         batch.rewards, reward_metrics = s.scorer.score(batch)
@@ -93,10 +98,11 @@ def step(s: Session, last: bool = False) -> dict:
         "reward/mean": float(batch.rewards.mean()),
         **reward_metrics,
         **train_metrics,  # train_rollout_logprob_abs_diff among them
-        **got.metrics,  # the router's restarts and re-issued prompts (disaggregated)
+        **got.metrics,  # the router's restarts and re-issued prompts (disaggregated), partial rollouts' counts
         **handoff,
         "rollout/engine_restarts": handoff["rollout/engine_restarts"] + got.metrics.get("rollout/engine_restarts", 0),
         "rollout/staleness": staleness,
+        **lag,  # max and mean over the trained tokens
         "rollout/response_len": float(batch.response_lens.float().mean()),
         "rollout/truncated": float(batch.truncated.float().mean()),
         "rollout/tokens_per_s": int(batch.response_lens.sum()) / max(t.seconds["generate"], 1e-9),
@@ -114,7 +120,7 @@ def request(s: Session, ahead: int = 0) -> None:
     """Asks the buffer for the batch of the step ``ahead`` after the one in progress."""
     cursor = s.sampler.state_dict()
     s.buffer.request(s.sampler.next_batch(), version=s.handoff.syncs, seed=s.plan.sampling.step_seed(s.step + ahead),
-                     cursor=cursor)
+                     cursor=cursor, ahead=ahead)
 
 
 def more(s: Session, k: int, round: int) -> RolloutBatch:

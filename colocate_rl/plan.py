@@ -211,6 +211,7 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.off_policy and cfg.algorithm.is_clamp <= 0:
         raise ConfigError("rollout.off_policy=true needs algorithm.is_clamp > 0: the token IS correction "
                           "weights the one-step-stale samples")
+    check_partial(cfg)
     if r.routing_replay and r.backend != "vllm":
         raise ConfigError(f"rollout.routing_replay=true needs rollout.backend=vllm: the {r.backend} "
                           "sampler returns no routed experts")
@@ -223,6 +224,33 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.backend == "transformers" and launcher != "local":
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
+
+
+def check_partial(cfg: Config) -> None:
+    """rollout.partial and rollout.max_staleness: what they work with."""
+    r, p = cfg.rollout, cfg.rollout.partial
+    if r.max_staleness > 1 and not (r.off_policy or p.enable):
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} bounds stale samples, and only "
+                          "rollout.off_policy=true or rollout.partial.enable=true makes any: set one, or leave it at 1")
+    if not p.enable:
+        if p.over_sample or p.mask_offpolicy:
+            raise ConfigError("rollout.partial.over_sample and rollout.partial.mask_offpolicy need "
+                              "rollout.partial.enable=true")
+        return
+    if r.backend != "vllm":
+        raise ConfigError(f"rollout.partial.enable=true needs rollout.backend=vllm: it aborts vLLM's requests "
+                          f"and continues them (the {r.backend} backend generates whole batches)")
+    for name, on, why in (
+            ("rollout.custom_fn", bool(r.custom_fn), "a step's batch is the groups partial rollouts complete"),
+            ("rollout.dynamic_sampling", r.dynamic_sampling, "its refills generate whole groups beside the rows in "
+                                                             "flight"),
+            ("rollout.routing_replay", r.routing_replay, "a continued row's routed experts are not joined across "
+                                                         "its steps")):
+        if on:
+            raise ConfigError(f"rollout.partial.enable=true does not combine with {name}: {why}")
+    if cfg.algorithm.is_clamp <= 0:
+        raise ConfigError("rollout.partial.enable=true needs algorithm.is_clamp > 0: the token IS correction "
+                          "weights the tokens a continued row got from earlier weights")
 
 
 def context_length(cfg: Config, hf: dict) -> int:
@@ -279,7 +307,9 @@ def rollout_views(r: RolloutConfig, sync: SyncConfig, quiet: bool) -> tuple[Samp
                             compile_cache=r.compile_cache, direct=sync.direct,
                             engine_kwargs={**({"use_tqdm_on_load": False} if quiet else {}), **r.engine_kwargs})
     scheduling = Scheduling(off_policy=r.off_policy, custom_fn=r.custom_fn, max_engine_restarts=r.max_engine_restarts,
-                            dynamic_sampling=r.dynamic_sampling, dynamic_max_rounds=r.dynamic_max_rounds)
+                            dynamic_sampling=r.dynamic_sampling, dynamic_max_rounds=r.dynamic_max_rounds,
+                            max_staleness=r.max_staleness, partial=r.partial.enable,
+                            over_sample=r.partial.over_sample, mask_offpolicy=r.partial.mask_offpolicy)
     return sampling, engine, scheduling
 
 

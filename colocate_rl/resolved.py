@@ -123,3 +123,7 @@ class Scheduling:
     max_engine_restarts: int
     dynamic_sampling: bool
     dynamic_max_rounds: int
+    max_staleness: int = 1  # rollout.max_staleness: batches requested ahead (off_policy), and the token lag bound
+    partial: bool = False  # rollout.partial.enable: steps stop at enough complete groups (rollout/partial.py)
+    over_sample: int = 0  # rollout.partial.over_sample: groups in flight beyond data.prompts_per_step
+    mask_offpolicy: bool = False  # rollout.partial.mask_offpolicy

@@ -28,6 +28,7 @@ from colocate_rl.private import private_dir, write_text
 from colocate_rl.rewards import RewardScorer
 from colocate_rl.rollout.base import Rollout
 from colocate_rl.rollout.buffer import Buffer
+from colocate_rl.rollout.partial import PartialRollouts
 from colocate_rl.trainer import NonfiniteGuard
 from colocate_rl.types import Sample
 from colocate_rl.workers import Actor, Workers
@@ -111,6 +112,9 @@ def start_session(cfg: C.Config, plan: RunPlan) -> Session:
         guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row),
     )
     handoff.step = lambda: s.step + 1  # the step in progress, for fault points and messages
+    if plan.scheduling.partial:  # the rows in flight between steps; extra prompts drawn where the step's are
+        s.buffer.partial = PartialRollouts(plan.scheduling, plan.sampling, cfg.data.prompts_per_step,
+                                           s.sampler.next_batch)
     return s
 
 

@@ -63,6 +63,9 @@ class RolloutBatch:
     rewards: torch.Tensor | None = None  # [B] float32, filled by the reward phase
     advantages: torch.Tensor | None = None  # [B] float32, filled by the advantage phase
     routed_experts: torch.Tensor | None = None  # [B, T, L_moe, top_k] uint8 / int16: the sampler's experts (R3)
+    # [B, T] int64: the weights version that sampled each response token (0 elsewhere); set by
+    # partial rollouts, whose continued rows mix versions (rollout/partial.py)
+    token_versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape

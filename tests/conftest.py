@@ -46,8 +46,8 @@ def tiny_model(tmp_path_factory):
 # - the modules that start Ray instances, clusters or nodes are one unit: they run one after
 #   another on one worker, as they do without xdist (scripts/test.sh runs them in a phase of their own);
 # - the units holding slow tests come first, so that a long one does not start last.
-RAY_MODULES = {"test_disaggregated.py", "test_multinode.py", "test_ray_auth.py", "test_ray_colocated.py",
-               "test_scripts.py"}
+RAY_MODULES = {"test_disaggregated.py", "test_multinode.py", "test_partial_disaggregated.py", "test_ray_auth.py",
+               "test_ray_colocated.py", "test_scripts.py"}
 
 
 @pytest.fixture

@@ -57,7 +57,10 @@ def immediate_buffer(workers: Workers, on_rollout: OnRollout) -> ImmediateBuffer
     def generate(samples, **kw):
         return on_rollout("generate", lambda: workers.rollout.generate(samples, **kw))
 
-    return ImmediateBuffer(generate)
+    def generate_partial(groups, **kw):  # partial rollouts (rollout/partial.py)
+        return on_rollout("generate", lambda: workers.rollout.generate_partial(groups, **kw))
+
+    return ImmediateBuffer(generate, generate_partial=generate_partial)
 
 
 def engine_quantization(rollout: Rollout) -> dict[str, str]:

@@ -286,5 +286,5 @@ def launch(pl: PlacementConfig, build: Build) -> RayDisaggregated:
     w.rollout = EngineGroup(w.hosts, build.sampling, restart=w.restart)
     custom = build.scheduling.custom_fn
     w.buffer = RolloutBuffer(w.rollout.generate, load_rollout_fn(custom) if custom else None,
-                             metrics=w.rollout.router.take_counts)
+                             metrics=w.rollout.router.take_counts, generate_partial=w.rollout.generate_partial)
     return w

@@ -236,8 +236,8 @@ class EngineGroup:
         else:
             self.router = Router(self._submit, len(hosts), restart, is_lost, sampling.max_response_tokens, sampling.n)
 
-    def _submit(self, i: int, samples, kwargs):
-        return self.hosts[i].call.remote("generate", samples, **kwargs).future()
+    def _submit(self, i: int, samples, kwargs, method: str = "generate"):
+        return self.hosts[i].call.remote(method, samples, **kwargs).future()
 
     def _no_restart(self, i: int) -> None:
         raise AssertionError(f"engine {i}: is_lost is always False here")
@@ -250,12 +250,21 @@ class EngineGroup:
         return [engine_call(r) for r in [h.call.remote(method, *a) for h, a in zip(self.hosts, args)]]
 
     def generate(self, samples: list[Sample], **kwargs) -> RolloutBatch:
+        return self._routed("generate", samples, **kwargs)
+
+    def generate_partial(self, groups: list, needed: int, total: int) -> list:
+        """rollout/partial.py's groups spread over the engines, each stopping at its share of ``needed``."""
+        from colocate_rl.rollout.partial import in_group_order
+
+        return self._routed("generate_partial", groups, join=in_group_order, needed=needed, total=total)
+
+    def _routed(self, method: str, samples: list, join=None, **kwargs):
         if self.restart is not None:
-            return self.router.generate(samples, **kwargs)
+            return self.router.generate(samples, method, join, **kwargs)
         try:
             if len(self.hosts) == 1:
-                return ray.get(self.hosts[0].call.remote("generate", samples, **kwargs))
-            return self.router.generate(samples, **kwargs)
+                return ray.get(self.hosts[0].call.remote(method, samples, **kwargs))
+            return self.router.generate(samples, method, join, **kwargs)
         except ray.exceptions.RayError as e:
             raise engine_error(e) from e
 

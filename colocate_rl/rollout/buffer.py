@@ -21,6 +21,9 @@ What produces a batch is the router's ``generate``, or a user's rollout function
 
 It may rewrite or inject prompts, call ``generate`` several times (multi-sample logic, filtering)
 and must return a RolloutBatch of whole groups (RolloutBatch.concat joins several).
+
+With partial rollouts (``partial``: rollout/partial.py) a request also carries the rows left
+unfinished by earlier ones, and its batch is the groups complete when generation stopped.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from functools import partial
 from typing import Any, Optional, Protocol
 
 from colocate_rl.config import import_function
+from colocate_rl.rollout.partial import GeneratePartial, PartialRollouts
 from colocate_rl.types import RolloutBatch, Sample
 
 Generate = Callable[..., RolloutBatch]
@@ -55,8 +59,10 @@ class Buffer(Protocol):
     """What the loop takes each step's batch from (both kinds below)."""
 
     generate: Generate  # a batch now, outside the queue (dynamic sampling's refill)
+    partial: Optional[PartialRollouts]  # the rows in flight between steps (rollout.partial.enable)
 
-    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None: ...
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None,
+                ahead: int = 0) -> None: ...
 
     def get(self) -> Produced: ...
 
@@ -75,6 +81,7 @@ class _Request:
     version: int
     seed: Optional[int]
     cursor: Any
+    ahead: int = 0  # weights versions between the request and the update that trains its batch
 
 
 class _Buffer:
@@ -82,19 +89,30 @@ class _Buffer:
     user's rollout function) and the FIFO of requests with their sampler cursors."""
 
     def __init__(self, generate: Generate, rollout_fn: RolloutFn | None = None,
-                 metrics: Callable[[], dict[str, float]] = dict) -> None:
+                 metrics: Callable[[], dict[str, float]] = dict,
+                 generate_partial: Optional[GeneratePartial] = None) -> None:
         self.generate, self.rollout_fn, self._metrics = generate, rollout_fn, metrics
+        self.generate_partial = generate_partial
+        self.partial: Optional[PartialRollouts] = None  # set when rollout.partial.enable
         self._queue: deque[tuple[_Request, Any]] = deque()
+
+    def _request(self, samples: list[Sample], version: int, seed: Optional[int], cursor: Any, ahead: int) -> _Request:
+        extra = self.partial.extra_prompts() if self.partial is not None else []
+        return _Request(list(samples) + extra, version, seed, cursor, ahead)
 
     def _produce(self, req: _Request) -> Produced:
         gen = self.generate if req.seed is None else partial(self.generate, seed=req.seed)
-        if self.rollout_fn is None:
+        extra: dict[str, float] = {}
+        if self.partial is not None:
+            batch, extra = self.partial.produce(req.samples, self.generate_partial, req.seed, req.version,
+                                                req.version + req.ahead)
+        elif self.rollout_fn is None:
             batch = gen(req.samples)
         else:
             batch = self.rollout_fn(list(req.samples), gen)
             if not isinstance(batch, RolloutBatch):
                 raise TypeError(f"rollout.custom_fn returned {type(batch).__name__}, expected a RolloutBatch")
-        return Produced(batch, req.version, dict(self._metrics()))
+        return Produced(batch, req.version, {**self._metrics(), **extra})
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -114,8 +132,9 @@ class RolloutBuffer(_Buffer):
         super().__init__(*args, **kwargs)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
 
-    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None:
-        req = _Request(list(samples), version, seed, cursor)
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None,
+                ahead: int = 0) -> None:
+        req = self._request(samples, version, seed, cursor, ahead)
         self._queue.append((req, self._pool.submit(self._produce, req)))
 
     def get(self) -> Produced:
@@ -137,8 +156,9 @@ class RolloutBuffer(_Buffer):
 class ImmediateBuffer(_Buffer):
     """Generates inside ``get()``: for an engine that shares its device with the actor."""
 
-    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None) -> None:
-        self._queue.append((_Request(list(samples), version, seed, cursor), None))
+    def request(self, samples: list[Sample], version: int, seed: Optional[int] = None, cursor: Any = None,
+                ahead: int = 0) -> None:
+        self._queue.append((self._request(samples, version, seed, cursor, ahead), None))
 
     def get(self) -> Produced:
         if not self._queue:

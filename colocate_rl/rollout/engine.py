@@ -387,6 +387,21 @@ class RolloutEngine:
             raise
         return self._to_batch(samples, outputs, n)
 
+    def generate_partial(self, groups: list[Any], needed: int, total: int) -> list[Any]:
+        """Each group's rows continued from their tokens until this engine's share of ``needed``
+        complete groups is in; the rest are aborted (rollout/partial.py)."""
+        from colocate_rl.rollout.partial import generate_until
+
+        tok, r = self.tokenizer, self.sampling
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else (lambda ids: "")
+        try:
+            return generate_until(self.llm.llm_engine, groups, needed, total, self.eos_ids, decode, r.temperature,
+                                  r.top_p)
+        except Exception as e:
+            if _dead(e) or self._client_dead():
+                raise EngineDied(f"vLLM engine died during generation of {len(groups)} groups: {e}") from e
+            raise
+
     def _to_batch(self, samples: list[Sample], outputs: list[Any], n: int) -> RolloutBatch:
         prompts, responses, logprobs, reasons, rows, routed = [], [], [], [], [], []
         for i, out in enumerate(outputs):

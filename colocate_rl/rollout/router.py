@@ -9,8 +9,10 @@ order of the prompts, whichever engine ran them.
 An engine that dies mid-generation is detected by its future failing with an error ``is_lost``
 recognises; ``restart(i)`` (the placement's: a new engine, re-synced to the actor's weights) runs,
 and the lost prompts are re-issued to the engines by load. Nothing is dropped; the counts are in
-``Pending.metrics``. The router knows engines only as ``submit(i, samples, kwargs) -> Future``:
-no Ray here, the placement adapts its actors.
+``Pending.metrics``. The router knows engines only as ``submit(i, samples, kwargs, method) -> Future``:
+no Ray here, the placement adapts its actors. A call names the engine's method: ``generate``, or
+``generate_partial`` for partial rollouts (its "samples" are rollout/partial.py's group requests,
+its results joined by ``in_group_order``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,7 +31,10 @@ from colocate_rl.types import RolloutBatch, Sample
 
 log = logging.getLogger(__name__)
 
-Submit = Callable[[int, list[Sample], dict[str, Any]], "Future[RolloutBatch]"]
+# submit(engine, samples, kwargs, method): the engine's ``method`` (generate, or generate_partial of
+# rollout/partial.py) on its share of the call
+Submit = Callable[[int, list[Any], dict[str, Any], str], Future]
+Join = Callable[[list[tuple[list[int], Any]], int], Any]  # the engines' results in the call's order
 
 
 def assign(costs: list[float], loads: list[float]) -> list[int]:
@@ -62,6 +67,8 @@ class Pending:
     samples: list[Sample]
     kwargs: dict[str, Any]
     shards: list[_Shard]
+    method: str = "generate"
+    join: Optional[Join] = None  # default: the rows of a RolloutBatch in prompt order
     metrics: dict[str, float] = field(default_factory=dict)
     engine_of: dict[int, int] = field(default_factory=dict)  # prompt index -> engine that produced its group
     _done: list[tuple[list[int], RolloutBatch]] = field(default_factory=list)
@@ -92,9 +99,9 @@ class Pending:
                 r.restart(shard.engine)
                 restarts += 1
                 reissued += len(shard.prompts)
-                self.shards += r._dispatch(self.samples, shard.prompts, self.kwargs)
+                self.shards += r._dispatch(self.samples, shard.prompts, self.kwargs, self.method)
         self.metrics.update({"rollout/engine_restarts": restarts, "rollout/reissued_prompts": reissued})
-        return _in_prompt_order(self._done, len(self.samples))
+        return (self.join or _in_prompt_order)(self._done, len(self.samples))
 
 
 def _in_prompt_order(parts: list[tuple[list[int], RolloutBatch]], num_prompts: int) -> RolloutBatch:
@@ -134,7 +141,8 @@ class Router:
         n = kwargs.get("n") or self.default_n
         return float((len(s.prompt_ids) + (kwargs.get("max_tokens") or self.max_response_tokens)) * n)
 
-    def _dispatch(self, samples: list[Sample], prompts: list[int], kwargs: dict[str, Any]) -> list[_Shard]:
+    def _dispatch(self, samples: list[Sample], prompts: list[int], kwargs: dict[str, Any],
+                  method: str = "generate") -> list[_Shard]:
         costs = [self._cost(samples[p], kwargs) for p in prompts]
         with self._lock:
             where = assign(costs, self.inflight)
@@ -145,19 +153,23 @@ class Router:
                     continue
                 cost = sum(c for c, w in zip(costs, where) if w == e)
                 self.inflight[e] += cost
-                shards.append(_Shard(e, mine, cost, self.submit_fn(e, [samples[p] for p in mine], dict(kwargs))))
+                shards.append(_Shard(e, mine, cost, self.submit_fn(e, [samples[p] for p in mine], dict(kwargs), method)))
         return shards
 
     def _finished(self, shard: _Shard) -> None:
         with self._lock:
             self.inflight[shard.engine] = max(0.0, self.inflight[shard.engine] - shard.cost)
 
-    def submit(self, samples: list[Sample], **kwargs: Any) -> Pending:
-        """Starts generating; each prompt's group on one engine. kwargs: RolloutEngine.generate's."""
-        return Pending(self, list(samples), kwargs, self._dispatch(samples, list(range(len(samples))), kwargs))
+    def submit(self, samples: list[Sample], method: str = "generate", join: Optional[Join] = None,
+               **kwargs: Any) -> Pending:
+        """Starts generating; each prompt's group on one engine. kwargs: the engine method's
+        (RolloutEngine.generate's by default; ``join`` puts the engines' results together)."""
+        return Pending(self, list(samples), kwargs, self._dispatch(samples, list(range(len(samples))), kwargs, method),
+                       method, join)
 
-    def generate(self, samples: list[Sample], **kwargs: Any) -> RolloutBatch:
-        pending = self.submit(samples, **kwargs)
+    def generate(self, samples: list[Sample], method: str = "generate", join: Optional[Join] = None,
+                 **kwargs: Any) -> Any:
+        pending = self.submit(samples, method, join, **kwargs)
         batch = pending.result()
         with self._lock:
             for k, v in pending.metrics.items():

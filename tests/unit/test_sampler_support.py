@@ -124,7 +124,7 @@ def test_rollout_top_k_reaches_the_sampling_settings_with_minus_one_as_off():
 
     def sampling(*overrides):
         cfg = load(Config(model=ModelConfig(path="m")), overrides=list(overrides))
-        return rollout_views(cfg.rollout, cfg.sync)[0]
+        return rollout_views(cfg.rollout, cfg.sync, quiet=True)[0]
 
     assert sampling("rollout.top_k=-1").top_k == 0 and not sampling("rollout.top_k=-1").truncated
     assert sampling("rollout.top_k=40").top_k == 40 and sampling("rollout.top_k=40").truncated
