@@ -141,6 +141,14 @@ def _check_registered(cfg: Config, fields: dict[str, Callable[[], list[str]]]) -
 
 def check_names(cfg: Config) -> None:
     _check_registered(cfg, REGISTRY_FIELDS)
+    if cfg.rollout.agent.enabled:
+        from colocate_rl.tools import TOOLS
+
+        unknown = [n for n in cfg.tools.names if n not in TOOLS]
+        if unknown or not cfg.tools.names:
+            raise ConfigError(f"tools.names={list(cfg.tools.names)}: "
+                              + (f"{unknown[0]!r} is not one of {', '.join(sorted(TOOLS))}" if unknown
+                                 else "a multi-turn rollout needs at least one tool"))
     from colocate_rl.rewards import get_reward
 
     try:
@@ -190,6 +198,9 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.routing_replay and not lay.on_gpu:
         raise ConfigError("rollout.routing_replay=true needs GPUs: vLLM's CPU build cannot return routed experts "
                           "(placement.gpus_per_node=0 is the CPU)")
+    if r.agent.enabled and not cfg.data.apply_chat_template:
+        raise ConfigError("rollout.agent.enabled=true writes every turn in the model's chat format (the tools in "
+                          "its system turn): set data.apply_chat_template=true")
     if r.backend == "transformers" and launcher != "local":
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
@@ -226,6 +237,9 @@ def check_family_features(cfg: Config, lay: Layout, hf: dict) -> None:
     if r.exact and family.exact_layer_spec is None:
         raise ConfigError(f"rollout.exact=true covers Qwen3 dense and MoE models; {family.name} has no exact "
                           "forward (models/exact.py)")
+    if r.agent.enabled and not (r.agent.tool_call_parser or family.tool_call_parser):
+        raise ConfigError(f"rollout.agent.enabled=true: the model family {family.name} names no tool-call parser; "
+                          "set rollout.agent.tool_call_parser to one of vLLM's")
     if cfg.actor.emulate_rollout_fp8 and family.fp8_emulation is None:
         raise ConfigError(f"actor.emulate_rollout_fp8=true covers DeepSeek-V4's FP8 engine; {family.name} has "
                           "no FP8 emulation")

@@ -33,9 +33,9 @@ from functools import partial
 from typing import Any, Optional, Protocol
 
 from colocate_rl.config import import_function
+from colocate_rl.rollout.agent import Generate, conversation_metrics
 from colocate_rl.types import RolloutBatch, Sample
 
-Generate = Callable[..., RolloutBatch]
 RolloutFn = Callable[[list[Sample], Generate], RolloutBatch]
 
 
@@ -94,7 +94,7 @@ class _Buffer:
             batch = self.rollout_fn(list(req.samples), gen)
             if not isinstance(batch, RolloutBatch):
                 raise TypeError(f"rollout.custom_fn returned {type(batch).__name__}, expected a RolloutBatch")
-        return Produced(batch, req.version, dict(self._metrics()))
+        return Produced(batch, req.version, {**self._metrics(), **conversation_metrics(batch)})
 
     def __len__(self) -> int:
         return len(self._queue)

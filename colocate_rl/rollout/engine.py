@@ -49,7 +49,7 @@ EXTENSION = "colocate_rl.rollout.extension.WeightReceiver"
 CPU_KV_CACHE_MB = 256  # vLLM's CPU default sizing fails on small shared machines; give it an explicit budget
 
 
-def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
+def stop_ids(model_path: str, tokenizer: Any) -> list[int]:
     """EOS ids from generation_config.json (Qwen's chat models stop at <|im_end|> there), else the tokenizer's."""
     ids: Any = None
     for name in ("generation_config.json", "config.json"):
@@ -270,7 +270,7 @@ class RolloutEngine:
 
         self.on_cpu = current_platform.is_cpu()
         self.tokenizer = tokenizer
-        self.eos_ids = _eos_ids(self.model_path, tokenizer)
+        self.eos_ids = stop_ids(self.model_path, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.max_model_len = resolved.max_model_len
