@@ -411,6 +411,9 @@ class Config:
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     steps: int = 100
+    # > 0: this command runs at most this many steps, writes a checkpoint and exits; the same command
+    # again (with logging.run_name) continues from it, so a long run goes in pieces of a few minutes.
+    stop_after: int = 0
     seed: int = 0
     recipe: str = ""
     preset: str = ""
@@ -658,6 +661,7 @@ RANGES: dict[str, Range] = {
     "tools.max_code_bytes": COUNT,
     "tools.sandbox_uid": COUNT,
     "steps": COUNT,
+    "stop_after": Range(0, note="0: run to the last step"),
     "seed": SEED,
 }
 

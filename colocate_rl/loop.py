@@ -41,10 +41,11 @@ def run(cfg: Config, plan: RunPlan) -> dict:
     try:
         with StopOnInterrupt() as interrupt:
             prepare(s)
-            for _ in tqdm(range(s.step, cfg.steps), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
+            end = min(cfg.steps, s.step + cfg.stop_after) if cfg.stop_after else cfg.steps  # this piece's last
+            for _ in tqdm(range(s.step, end), desc="grpo", disable=not cfg.logging.progress, initial=s.step,
                           total=cfg.steps):
-                metrics = step(s, last=interrupt.requested or s.step + 1 == cfg.steps)
-                if end_step(s, metrics, interrupt.requested):
+                metrics = step(s, last=interrupt.requested or s.step + 1 == end)
+                if end_step(s, metrics, interrupt.requested, pause=s.step + 1 == end < cfg.steps):
                     break
         return s.finish()
     finally:
@@ -134,10 +135,10 @@ def old_logprobs(s: Session, batch: RolloutBatch, t: PhaseTimer):
         return s.actor.compute_logprobs(batch)
 
 
-def end_step(s: Session, metrics: dict, interrupted: bool) -> bool:
+def end_step(s: Session, metrics: dict, interrupted: bool, pause: bool = False) -> bool:
     """After a step: eval when due, the metrics row and console line, the stop after
-    actor.max_nonfinite_in_row skipped updates, a checkpoint when due or on Ctrl-C.
-    Returns True when the run should stop (Ctrl-C)."""
+    actor.max_nonfinite_in_row skipped updates, a checkpoint when due, on Ctrl-C or at the end of a
+    piece (``pause``: stop_after). Returns True when the run should stop (Ctrl-C)."""
     cfg = s.cfg
     if cfg.eval.every and (s.step + 1) % cfg.eval.every == 0:
         metrics.update(evaluate(s))  # before the count moves: eval sampling is seeded by the step
@@ -146,10 +147,14 @@ def end_step(s: Session, metrics: dict, interrupted: bool) -> bool:
     tqdm.write(console_line(s.step, cfg.steps, metrics))
     s.guard.update(metrics, s.step)
     c = cfg.checkpoint
-    if (c.every and s.step % c.every == 0) or (c.at_end and s.step == cfg.steps) or (interrupted and c.on_interrupt):
+    if (c.every and s.step % c.every == 0) or (c.at_end and s.step == cfg.steps) or (interrupted and c.on_interrupt) \
+            or pause:
         save(s)
     if interrupted:
         tqdm.write(f"interrupted: stopped cleanly after step {s.step}")
+    elif pause:
+        tqdm.write(f"stop_after={cfg.stop_after}: stopped after step {s.step} of {cfg.steps}; the same command "
+                   "continues from its checkpoint")
     return interrupted
 
 

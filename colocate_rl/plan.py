@@ -201,6 +201,9 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.agent.enabled and not cfg.data.apply_chat_template:
         raise ConfigError("rollout.agent.enabled=true writes every turn in the model's chat format (the tools in "
                           "its system turn): set data.apply_chat_template=true")
+    if cfg.stop_after and not cfg.logging.run_name:
+        raise ConfigError(f"stop_after={cfg.stop_after} needs logging.run_name: the next piece continues from "
+                          "that run folder's checkpoint")
     if r.backend == "transformers" and launcher != "local":
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")

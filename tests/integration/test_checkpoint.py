@@ -1,7 +1,8 @@
 """Checkpoint and resume through the real recipe command, on CPU with fixed seeds:
 
-- a run of 4 steps, and the same run SIGKILLed in step 3 (after its step-2 checkpoint) and started
-  again, give bit-identical metrics for every step (timings aside) and identical final weights;
+- a run of 4 steps, the same run SIGKILLed in step 3 (after its step-2 checkpoint) and started
+  again, and the same run in two pieces (stop_after=3, then the same command again) give
+  bit-identical metrics for every step (timings aside) and identical final weights;
 - under supervise.max_restarts, a run whose trainer process is SIGKILLed in step 3 (a fault drill at
   that named phase) is started again by the supervisor from its step-2 checkpoint and finishes with
   the same metrics as the uninterrupted run;
@@ -77,6 +78,13 @@ def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model
     # The trainer kills itself (SIGKILL) when step 3 reaches its train phase, in the first attempt only.
     killed = start(command(model, tmp_path, "killed", **{"supervise.max_restarts": "2"}), logs["killed"],
                    COLOCATE_RL_FAULT="kill@train:3")
+    # A run in pieces: the first command stops after 3 steps (off the checkpoint.every grid), the same
+    # command again runs step 4 from that checkpoint.
+    pieces = command(model, tmp_path, "pieces", stop_after="3")
+    first = finish(start(pieces, tmp_path / "piece1.log"), tmp_path / "piece1.log")
+    assert "stop_after=3: stopped after step 3 of 4" in first, first[-3000:]
+    second = finish(start(pieces, tmp_path / "piece2.log"), tmp_path / "piece2.log")
+    assert "step_00000003 at step 3" in second, second[-3000:]
     full_out = finish(full, logs["full"])
     out = finish(killed, logs["killed"])
     assert "resumed from" in out and "step_00000002 at step 2" in out, out[-3000:]
@@ -89,6 +97,7 @@ def test_sigkill_and_resume_is_bit_identical_and_ctrl_c_stops_cleanly(tiny_model
     assert sorted(b) == [0, 1, 2, 3, 4] and sorted(a) == [0, 1, 2, 3, 4, 5]
     for step in b:
         assert a[step] == b[step], f"step {step}: {set(a[step].items()) ^ set(b[step].items())}"
+    assert comparable(read(tmp_path / "pieces/metrics.jsonl")) == b, "the pieces continue the curve exactly"
     assert "eval/accuracy" in a[4] and "train_rollout_logprob_abs_diff" in a[4]
     assert all(a[s]["grad_norm"] > 0 for s in (1, 2, 3, 4)), "every step must change the weights"
     wa = model_weights(ck.step_dir(tmp_path / "full/checkpoints", 4), tmp_path)

@@ -14,6 +14,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from colocate_rl import loop  # noqa: E402
 from colocate_rl.config import load  # noqa: E402
 from colocate_rl.metrics import read  # noqa: E402
+from colocate_rl.plan import resolve  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dsv4_flash_grpo.py"
 STEPS = 50
@@ -36,7 +37,8 @@ def test_grpo_raises_held_out_accuracy_beyond_the_warm_start_spread(tmp_path, ti
             "logging.run_dir": str(tmp_path), "logging.run_name": "t", "logging.wandb_mode": "disabled",
             "logging.progress": "false", "logging.plot": "false", "checkpoint.at_end": "false",
             "steps": str(STEPS), "eval.every": str(STEPS)}
-    out = loop.run(load(tiny_preset(), overrides=[f"{k}={v}" for k, v in over.items()]))
+    cfg = load(tiny_preset(), overrides=[f"{k}={v}" for k, v in over.items()])
+    out = loop.run(cfg, resolve(cfg))
     rows = read(tmp_path / "t" / "metrics.jsonl")
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert out["steps"] == STEPS and sorted(acc) == [0, STEPS]

@@ -46,12 +46,17 @@ def config(isolation: str, scratch_root: Path, **kw) -> ToolsConfig:
                        scratch_root=str(scratch_root), **kw)
 
 
-def leftovers(scratch_root: Path) -> list[str]:
-    """Processes a sandbox of this test process started that are still there: its descendants,
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def leftovers(scratch_root: Path, before: set[int]) -> list[str]:
+    """Processes a sandbox of this test process started that are still there: its descendants that
+    were not there ``before`` (an earlier test of this worker may leave its own, e.g. reward workers),
     launchers it started, anything running as a sandbox uid or inside a scratch folder."""
     uids = set(range(UID_BASE, UID_BASE + CONCURRENCY))
     host = f'"host_pid": {os.getpid()}'
-    out = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True)]
+    out = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True) if p.pid not in before]
     for p in psutil.process_iter(["pid", "uids", "cmdline", "cwd"]):
         cmd, cwd = " ".join(p.info["cmdline"] or []), p.info["cwd"] or ""
         if ((p.info["uids"] and p.info["uids"].real in uids) or (LAUNCHER in cmd and host in cmd)
@@ -63,8 +68,9 @@ def leftovers(scratch_root: Path) -> list[str]:
 def run(isolation: str, scratch_root: Path, code: str, **kw):
     """One call of the python tool; asserts that nothing of the sandbox is left afterwards."""
     tool = make_tools(config(isolation, scratch_root, **kw))["python"]
+    before = descendants()
     result = tool({"code": code})
-    assert leftovers(scratch_root) == []
+    assert leftovers(scratch_root, before) == []
     assert list(scratch_root.iterdir()) == []  # an audit sandbox's folder is removed too
     return result
 
@@ -185,9 +191,10 @@ def test_a_batch_comes_back_in_order_within_the_concurrency_bound(isolation, scr
     code = "import os\nprint({i}, os.getuid())"
     calls = [ToolCall("python", {"code": code.format(i=i)}) for i in range(6)]
     calls.insert(3, ToolCall("python", {"code": "x" * 100}))  # longer than max_code_bytes
+    before = descendants()
     with ToolExecutor(config(isolation, scratch_root, max_code_bytes=64)) as ex:
         results = ex.run(calls)
-    assert leftovers(scratch_root) == []
+    assert leftovers(scratch_root, before) == []
     printed = [r.text.split() for r in results[:3] + results[4:]]
     assert [int(p[0]) for p in printed] == list(range(6)) and not any(r.error for r in results[:3] + results[4:])
     assert results[3].error and "is too long" in results[3].text  # the schema's maxLength: max_code_bytes

@@ -51,7 +51,9 @@ class Terminal:
 
     def pump(self, wait_s: float = 0.2) -> bool:
         """Reads what the command wrote (the pty would block it when full); False at its end."""
-        if select.select([self.fd], [], [], wait_s)[0]:
+        poll = select.poll()  # not select(): a long test session's descriptors pass its limit of 1024
+        poll.register(self.fd, select.POLLIN)
+        if poll.poll(wait_s * 1000):
             try:
                 chunk = os.read(self.fd, 1 << 16)
             except OSError:  # EIO: every process holding the terminal has closed it
