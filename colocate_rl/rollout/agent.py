@@ -182,12 +182,15 @@ class MultiTurn:
         row.logprobs += [0.0] * len(ids)
 
     def _cut(self, text: str) -> str:
-        """A result of at most rollout.agent.max_result_tokens tokens, a note saying it was cut."""
-        limit = self.agent.max_result_tokens
-        ids = self.chat.tokenizer.encode(text, add_special_tokens=False)
+        """A result of at most rollout.agent.max_result_tokens tokens: a longer one keeps its head and
+        its tail (where a traceback's error and the sandbox's note are), a note between them."""
+        limit, tok = self.agent.max_result_tokens, self.chat.tokenizer
+        ids = tok.encode(text, add_special_tokens=False)
         if len(ids) <= limit:
             return text
-        return self.chat.tokenizer.decode(ids[:limit]) + f"\n[cut: the result is longer than {limit} tokens]"
+        head, tail = ids[:limit // 2], ids[len(ids) - (limit - limit // 2):]
+        return (tok.decode(head) + f"\n[cut: {len(ids) - limit} of the result's {len(ids)} tokens]\n"
+                + tok.decode(tail))
 
     def _batch(self, rows: list[_Row], n: int) -> RolloutBatch:
         tok = self.chat.tokenizer
