@@ -8,8 +8,8 @@ in each engine's process; the script is a JSON file named by $COLOCATE_RL_TEST_S
 
 A request whose prompt holds a case's marker ids (in a row) writes that case's turn k, k being how
 many times ``turn_mark`` (the tool-response token) occurs in its prompt: every other token's logit
-is set to -inf, so the sampler, its logprobs and the engine's stop on EOS are vLLM's own. A prompt
-of no case is left alone.
+is set to -inf, so the sampler, its logprobs and the engine's stop on EOS are vLLM's own. A turn
+that is null, and a prompt of no case, are the model's own.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ScriptedPolicy(LogitsProcessor):
     def _forced(self, prompt: list[int]) -> list[int] | None:
         for marker, turns in self.cases:
             if _holds(prompt, marker):
-                return turns[min(prompt.count(self.mark), len(turns) - 1)]
+                return turns[min(prompt.count(self.mark), len(turns) - 1)] or None
         return None
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
@@ -71,12 +71,13 @@ class ScriptedPolicy(LogitsProcessor):
         return logits
 
 
-def write_script(path: Path, tokenizer, cases: dict[str, list[str]]) -> Path:
+def write_script(path: Path, tokenizer, cases: dict[str, list[str | None]]) -> Path:
     """The script file: each case's marker (the text a prompt holds) and its turns, each turn's text
-    ending with the tokenizer's EOS."""
+    ending with the tokenizer's EOS (None: the model writes that turn)."""
     ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     script = {"turn_mark": tokenizer.convert_tokens_to_ids("<tool_response>"),
-              "cases": [{"marker": ids(marker), "turns": [ids(t) + [tokenizer.eos_token_id] for t in turns]}
+              "cases": [{"marker": ids(marker),
+                         "turns": [None if t is None else ids(t) + [tokenizer.eos_token_id] for t in turns]}
                         for marker, turns in cases.items()]}
     path.write_text(json.dumps(script))
     return path
