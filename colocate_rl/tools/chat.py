@@ -46,7 +46,10 @@ class ChatFormat:
         if self.tools and self.tools[0]["function"]["name"] not in self.render(probe):
             raise ValueError("the tokenizer's chat template ignores tools: it cannot offer them to the model")
         head = self.render(probe)
-        tail = self.render(probe + [{"role": "assistant", "content": "2"}], add_generation_prompt=False)
+        # An assistant turn with a user turn after it: a template may write the last assistant turn
+        # otherwise (Qwen3's opens it with an empty think block), never one the conversation goes on from.
+        tail = self.render(probe + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "3"}],
+                           add_generation_prompt=False)
         if not tail.startswith(head + "2"):
             raise ValueError("the chat template does not write an assistant turn after its generation prompt")
         ids = self._encode(tail[len(head) + 1:])

@@ -40,6 +40,19 @@ def qwen3() -> ChatFormat:
 
 
 @pytest.fixture(scope="module")
+def qwen3_think() -> ChatFormat:
+    """Qwen3's vocabulary with a template that, as Qwen3's own does, writes the last assistant turn
+    after the last user turn with an empty think block before its content."""
+    tok = build_qwen3_tokenizer()
+    last = "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    assert last in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(last, (
+        "{% elif m['role'] == 'assistant' and loop.last %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        "{{ m['content'] }}<|im_end|>\n") + last)
+    return ChatFormat(tok, SPECS)
+
+
+@pytest.fixture(scope="module")
 def deepseek_v4() -> ChatFormat:
     from transformers import AutoTokenizer
 
@@ -72,7 +85,7 @@ def test_qwen3_format_lists_tools_calls_and_results(qwen3):
     assert text.endswith("<|im_start|>assistant\n5535<|im_end|>\n")
 
 
-@pytest.mark.parametrize("fmt", ["qwen3", "deepseek_v4"])
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3_think", "deepseek_v4"])
 def test_appended_ids_are_the_whole_conversations_ids(fmt, request):
     chat: ChatFormat = request.getfixturevalue(fmt)
     tok = chat.tokenizer
@@ -88,15 +101,15 @@ def test_appended_ids_are_the_whole_conversations_ids(fmt, request):
     assert "5535" in others and "123*45" not in others
 
 
-@pytest.mark.parametrize("fmt", ["qwen3", "deepseek_v4"])
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3_think", "deepseek_v4"])
 def test_a_tool_turn_starts_after_a_special_end_token_and_opens_the_next_turn(fmt, request):
     chat: ChatFormat = request.getfixturevalue(fmt)
     tok = chat.tokenizer
     assert chat.end_id in tok.all_special_ids or tok.added_tokens_decoder[chat.end_id].special
     turn = chat.tool_turn_ids(USER, [tool_call("calculator", {"expression": "1+1"})], ["2", "error: no"])
     text = tok.decode(turn)
-    assert ("<tool_response>\n2\n</tool_response>" if fmt == "qwen3" else "<tool_result>2</tool_result>") in text
-    assert text.endswith("<|im_start|>assistant\n" if fmt == "qwen3" else "<｜Assistant｜></think>")
+    assert ("<tool_result>2</tool_result>" if fmt == "deepseek_v4" else "<tool_response>\n2\n</tool_response>") in text
+    assert text.endswith("<｜Assistant｜></think>" if fmt == "deepseek_v4" else "<|im_start|>assistant\n")
     # No merge across the boundary: the end token followed by the turn's text tokenises as the two apart.
     assert tok.encode(chat.end_text + text, add_special_tokens=False) == [chat.end_id, *turn]
     # A call that did not parse is not rendered as a call; its error result still is.
