@@ -4,8 +4,9 @@ that vLLM really samples the calls a policy might write, good and bad, and the r
 and sandbox take them.
 
 - bad input never stops the run: malformed JSON, an unknown tool, wrong arguments, and python
-  programs that hang, print without end, reach for the network or fork without end are results the
-  model reads, counted as errors; every such sample goes on to its next turn and the step trains;
+  programs that hang, print without end, reach for the network, fork without end or allocate too
+  much are results the model reads, counted as errors; every such sample goes on to its next turn
+  and the step trains;
 - one row per conversation: the policy's turns on loss_mask with the sampler's logprobs, the tool
   turns off it, the ids those of the whole conversation rendered at once, and the actor's one
   forward over it matching the sampler on the model's own turn;
@@ -54,6 +55,7 @@ CASES = {
     "7006": ([python("while True:\n    print('x' * 4096)"), "flood"], "[stopped: the output passed 8192 bytes]"),
     "7007": ([python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)"), "net"], "[exit code 1]"),
     "7008": ([python("import os\nwhile True:\n    os.fork()"), "forks"], "Resource temporarily unavailable"),
+    "7012": ([python("x = bytearray(10 ** 10)"), "alloc"], "MemoryError"),
 }
 ALWAYS_CALLS = "7009"  # calls a tool in every turn: stopped by rollout.agent.max_turns
 OWN = "7010"  # a scripted call, then the model's own turn (its sampler logprobs are the model's)
