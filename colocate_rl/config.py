@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -49,6 +49,19 @@ class PartialConfig:
     # --mask-offpolicy-in-partial-rollout), so rollout.max_staleness never restarts a continued row (a
     # row that finished while its group waited is trained whole, and still may be).
     mask_offpolicy: bool = False
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn rollouts with tool calls (rollout/agent.py, docs/agentic.md): the policy writes,
+    calls a tool of ``tools.names``, reads its result, writes again, all in one row."""
+
+    enabled: bool = False
+    max_turns: int = 4  # assistant turns per sample; a turn that still calls a tool at the last ends it
+    # A tool result longer than this many tokens is cut there (a note says so) before the model reads it.
+    max_result_tokens: int = 256
+    # vLLM's tool-call parser ("" = the model family's: hermes for Qwen3, deepseek_v4 for DeepSeek-V4).
+    tool_call_parser: str = ""
 
 
 @dataclass
@@ -114,6 +127,8 @@ class RolloutConfig:
     # library's own home-folder default. A cold DeepSeek-V4 start compiles for minutes; a warm one
     # reads these (docs/performance.md).
     compile_cache: str = ""
+    # Multi-turn rollouts with tool calls; the tools themselves are the `tools` section.
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -257,8 +272,12 @@ class ArithmeticConfig:
     num_eval: int = 128  # capped at a quarter of all distinct problems (held out from training)
     max_operand: int = 9
     max_operand_b: int = -1  # range of the second operand; -1 = max_operand
+    min_operand: int = 0  # both operands are at least this
     ops: str = "+"
     seed: int = 1234
+    # With rollout.agent.enabled: the share of training problems whose warm-start demonstration
+    # (sft.*) asks `calculator` and answers with its result; the others answer directly.
+    tool_demos: float = 0.0
 
 
 @dataclass
@@ -356,6 +375,43 @@ class SFTConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """The tools a policy may call in a multi-turn rollout (colocate_rl/tools/): the sandbox's limits
+    and the executor's concurrency."""
+
+    names: list[str] = field(default_factory=lambda: ["python", "calculator"])  # offered to the model (TOOLS)
+    max_concurrency: int = 8  # sandboxes running at once (and executor threads)
+    timeout_s: float = 10.0  # wall clock per call; then the sandbox is killed
+    cpu_s: int = 10  # CPU seconds per program (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    max_processes: int = 32  # processes of the sandbox's user (RLIMIT_NPROC)
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_file_mb: int = 16  # largest file a program may write (RLIMIT_FSIZE)
+    scratch_mb: int = 64  # the scratch folder's size (namespaces: a tmpfs)
+    scratch_files: int = 4096  # files and folders in it (namespaces)
+    output_bytes: int = 8192  # stdout + stderr read; a program printing more is stopped there
+    max_code_bytes: int = 256 * 1024  # longest program accepted
+    # "namespaces": own mount, network, pid, ipc and uts namespaces (with a user namespace when not
+    # root); "audit": an audit hook only (weaker, see tools/sandbox.py); "auto": namespaces where the
+    # machine allows them, else audit.
+    isolation: str = "auto"
+    # As root: the first of max_concurrency uids the programs run as (one per running sandbox, so
+    # RLIMIT_NPROC counts one sandbox's processes); no account may use them.
+    sandbox_uid: int = 61000
+    scratch_root: str = ""  # audit isolation: where scratch folders go ("" = the temp folder)
+
+    def __post_init__(self):
+        """Built directly (not through ``load``): the same checks as the config's, one line each."""
+        for f in fields(self):
+            rule = RANGES.get(f"tools.{f.name}")
+            if rule is not None and not rule.holds(getattr(self, f.name)):
+                raise ConfigError(f"tools.{f.name}={getattr(self, f.name)} must be {rule}")
+        if self.isolation not in CHOICES["tools.isolation"]:
+            raise ConfigError(f"tools.isolation={self.isolation!r} must be one of "
+                              f"{', '.join(CHOICES['tools.isolation'])}")
+
+
+@dataclass
 class SuperviseConfig:
     """Restart a run that died (a killed process, an unrecoverable engine or rank error) from its
     newest intact checkpoint; a NaN stop, a config error or Ctrl-C is not restarted."""
@@ -378,6 +434,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     steps: int = 100
     # > 0: this command runs at most this many steps, writes a checkpoint and exits; the same command
     # again (with logging.run_name) continues from it, so a long run goes in pieces of a few minutes.
@@ -498,6 +555,7 @@ CHOICES = {
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
     "rollout.sleep_level": (1, 2),
     "rollout.weight_quantization": ("", "fp8"),
+    "tools.isolation": ("auto", "namespaces", "audit"),
 }
 
 def _num(x: float) -> str:
@@ -559,6 +617,8 @@ RANGES: dict[str, Range] = {
     "rollout.dynamic_max_rounds": AT_LEAST_0,
     "rollout.max_staleness": COUNT,
     "rollout.partial.over_sample": Range(0, note="0: nothing stops early"),
+    "rollout.agent.max_turns": COUNT,
+    "rollout.agent.max_result_tokens": COUNT,
     "actor.tp": COUNT,
     "actor.pp": COUNT,
     "actor.ep": COUNT,
@@ -596,6 +656,8 @@ RANGES: dict[str, Range] = {
     "data.arithmetic.max_operand": AT_LEAST_0,
     "data.arithmetic.max_operand_b": Range(-1, note="-1: data.arithmetic.max_operand"),
     "data.arithmetic.seed": SEED,
+    "data.arithmetic.min_operand": AT_LEAST_0,
+    "data.arithmetic.tool_demos": Range(0, 1),
     "reward.timeout_s": TIMEOUT,
     "reward.workers": Range(1, MAX_PROCESSES),
     "placement.nnodes": COUNT,
@@ -614,6 +676,18 @@ RANGES: dict[str, Range] = {
     "sft.batch_size": COUNT,
     "sft.stop_at_accuracy": Range(0, 1, note="0: run sft.steps"),
     "supervise.max_restarts": Range(0, note="0: not supervised"),
+    "tools.max_concurrency": Range(1, MAX_PROCESSES),
+    "tools.timeout_s": TIMEOUT,
+    "tools.cpu_s": COUNT,
+    "tools.memory_mb": COUNT,
+    "tools.max_processes": COUNT,
+    "tools.max_open_files": COUNT,
+    "tools.max_file_mb": COUNT,
+    "tools.scratch_mb": COUNT,
+    "tools.scratch_files": COUNT,
+    "tools.output_bytes": COUNT,
+    "tools.max_code_bytes": COUNT,
+    "tools.sandbox_uid": COUNT,
     "steps": COUNT,
     "stop_after": Range(0, note="0: run to the last step"),
     "seed": SEED,
@@ -647,6 +721,10 @@ def validate(cfg: Config) -> None:
     ar = cfg.data.arithmetic
     if not ar.ops or set(ar.ops) - set("+-*"):
         raise ConfigError(f"data.arithmetic.ops={ar.ops!r} must use only + - *")
+    max_b = ar.max_operand if ar.max_operand_b < 0 else ar.max_operand_b
+    if ar.min_operand > min(ar.max_operand, max_b):
+        raise ConfigError(f"data.arithmetic.min_operand={ar.min_operand} must be <= data.arithmetic.max_operand "
+                          f"and max_operand_b ({ar.max_operand}, {max_b})")
     a = cfg.actor
     if a.min_lr > a.lr:
         raise ConfigError(f"actor.min_lr={a.min_lr} must be <= actor.lr={a.lr} (the schedule "

@@ -31,6 +31,11 @@ def summarize(batch: RolloutBatch, rewards: torch.Tensor, name: str = "eval") ->
     while k <= n:
         out[f"{name}/pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(1)) / correct.shape[0]
         k *= 2
+    if batch.conversations is not None:  # multi-turn rows: how often the tools were called, and to what end
+        called = torch.tensor([c.tool_calls > 0 for c in batch.conversations]).view(-1, n)
+        out[f"{name}/turns"] = sum(c.turns for c in batch.conversations) / batch.size
+        out[f"{name}/tool_use"] = float(called.float().mean())
+        out[f"{name}/correct_with_tool"] = float((called & correct).sum()) / max(int(correct.sum()), 1)
     return out
 
 

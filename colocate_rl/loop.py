@@ -170,7 +170,7 @@ def evaluate(s: Session) -> dict:
     def generate(samples, **kw):
         return s.handoff.on_rollout("eval", lambda: s.rollout.generate(samples, **kw))
 
-    return run_eval(s.eval_sets, generate, s.scorer.score, ev.n_samples, ev.temperature,
+    return run_eval(s.eval_sets, s.turns.over(generate), s.scorer.score, ev.n_samples, ev.temperature,
                     ev.max_response_tokens or None, None if seed is None else seed + EVAL_SEED_OFFSET)
 
 

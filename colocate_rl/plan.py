@@ -164,6 +164,14 @@ def _check_registered(cfg: Config, fields: dict[str, Callable[[], list[str]]]) -
 
 def check_names(cfg: Config) -> None:
     _check_registered(cfg, REGISTRY_FIELDS)
+    if cfg.rollout.agent.enabled:
+        from colocate_rl.tools import TOOLS
+
+        unknown = [n for n in cfg.tools.names if n not in TOOLS]
+        if unknown or not cfg.tools.names:
+            raise ConfigError(f"tools.names={list(cfg.tools.names)}: "
+                              + (f"{unknown[0]!r} is not one of {', '.join(sorted(TOOLS))}" if unknown
+                                 else "a multi-turn rollout needs at least one tool"))
     from colocate_rl.rewards import get_reward
 
     try:
@@ -218,6 +226,9 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.routing_replay and not lay.on_gpu:
         raise ConfigError("rollout.routing_replay=true needs GPUs: vLLM's CPU build cannot return routed experts "
                           "(placement.gpus_per_node=0 is the CPU)")
+    if r.agent.enabled and not cfg.data.apply_chat_template:
+        raise ConfigError("rollout.agent.enabled=true writes every turn in the model's chat format (the tools in "
+                          "its system turn): set data.apply_chat_template=true")
     if cfg.stop_after and not cfg.logging.run_name:
         raise ConfigError(f"stop_after={cfg.stop_after} needs logging.run_name: the next piece continues from "
                           "that run folder's checkpoint")
@@ -245,7 +256,9 @@ def check_partial(cfg: Config) -> None:
             ("rollout.dynamic_sampling", r.dynamic_sampling, "its refills generate whole groups beside the rows in "
                                                              "flight"),
             ("rollout.routing_replay", r.routing_replay, "a continued row's routed experts are not joined across "
-                                                         "its steps")):
+                                                         "its steps"),
+            ("rollout.agent.enabled", r.agent.enabled, "a conversation's turns are generated whole, not "
+                                                       "continued across steps")):
         if on:
             raise ConfigError(f"rollout.partial.enable=true does not combine with {name}: {why}")
     if cfg.algorithm.is_clamp <= 0:
@@ -284,6 +297,9 @@ def check_family_features(cfg: Config, lay: Layout, hf: dict) -> None:
     if r.exact and family.exact_layer_spec is None:
         raise ConfigError(f"rollout.exact=true covers Qwen3 dense and MoE models; {family.name} has no exact "
                           "forward (models/exact.py)")
+    if r.agent.enabled and not (r.agent.tool_call_parser or family.tool_call_parser):
+        raise ConfigError(f"rollout.agent.enabled=true: the model family {family.name} names no tool-call parser; "
+                          "set rollout.agent.tool_call_parser to one of vLLM's")
     if cfg.actor.emulate_rollout_fp8 and family.fp8_emulation is None:
         raise ConfigError(f"actor.emulate_rollout_fp8=true covers DeepSeek-V4's FP8 engine; {family.name} has "
                           "no FP8 emulation")

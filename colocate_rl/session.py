@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -20,15 +20,20 @@ from colocate_rl.data import PromptDataset, PromptSampler, load_prompts
 from colocate_rl.handoff import HANDOFFS, Handoff
 from colocate_rl.memory import checkpoint_bytes
 from colocate_rl.metrics import MetricsLog, plot, read, summary
-from colocate_rl.models.registry import load_tokenizer, model_folder, read_hf_config
+from colocate_rl.models.registry import (chat_encoding, load_tokenizer, model_folder, read_hf_config,
+                                         tool_call_parser)
 from colocate_rl.models.tiny import ensure_model
 from colocate_rl.placement import check_shared_folder, launch
 from colocate_rl.plan import RunPlan
 from colocate_rl.private import private_dir, write_text
 from colocate_rl.rewards import RewardScorer
+from colocate_rl.rollout.agent import MultiTurn, SingleTurn, Turns
 from colocate_rl.rollout.base import Rollout
 from colocate_rl.rollout.buffer import Buffer
 from colocate_rl.rollout.partial import PartialRollouts
+from colocate_rl.rollout.engine import stop_ids
+from colocate_rl.tools import SandboxUnavailable, ToolExecutor
+from colocate_rl.tools.chat import ChatFormat
 from colocate_rl.trainer import NonfiniteGuard
 from colocate_rl.types import Sample
 from colocate_rl.workers import Actor, Workers
@@ -50,6 +55,7 @@ class Session:
     log: MetricsLog
     checkpoints: CheckpointStore
     guard: NonfiniteGuard
+    turns: Turns  # one turn per row, or conversations with tools (rollout.agent)
     step: int = 0  # steps completed
     started: float = field(default_factory=time.perf_counter)
 
@@ -80,6 +86,7 @@ class Session:
 
     def close(self) -> None:
         self.buffer.close()
+        self.turns.close()
         self.log.close()
         self.scorer.close()
         self.workers.shutdown()
@@ -91,7 +98,9 @@ def start_session(cfg: C.Config, plan: RunPlan) -> Session:
     random.seed(cfg.seed)
     run_dir = private_dir(Path(cfg.logging.run_dir) / plan.resolved.run_name)
     write_text(run_dir / "config.yaml", C.to_yaml(cfg))
-    tokenizer, train, eval_sets = read_inputs(cfg)
+    executor = tool_executor(cfg)
+    tokenizer, train, eval_sets = read_inputs(cfg, executor)
+    turns = multi_turn(cfg, plan, tokenizer, executor) if executor else SingleTurn()
     scorer = RewardScorer.from_config(cfg.reward)
     checkpoints = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     check_shared_folder(cfg.placement, plan.resolved.launcher, checkpoints)  # every node of a cluster uses it
@@ -107,9 +116,9 @@ def start_session(cfg: C.Config, plan: RunPlan) -> Session:
         cfg=cfg, plan=plan, run_dir=run_dir, tokenizer=tokenizer,
         sampler=PromptSampler(train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed),
         train_samples=list(train), eval_sets=eval_sets, scorer=scorer, workers=workers, handoff=handoff,
-        buffer=workers.make_buffer(handoff.on_rollout), log=log,
+        buffer=workers.make_buffer(handoff.on_rollout, turns), log=log,
         checkpoints=CheckpointStore(checkpoints, cfg.checkpoint.keep, log=_say),
-        guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row),
+        guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row), turns=turns,
     )
     handoff.step = lambda: s.step + 1  # the step in progress, for fault points and messages
     if plan.scheduling.partial:  # the rows in flight between steps; extra prompts drawn where the step's are
@@ -118,9 +127,11 @@ def start_session(cfg: C.Config, plan: RunPlan) -> Session:
     return s
 
 
-def read_inputs(cfg: C.Config) -> tuple[Any, PromptDataset, dict[str, list[Sample]]]:
+def read_inputs(cfg: C.Config, tools: Optional[ToolExecutor] = None) -> tuple[Any, PromptDataset,
+                                                                              dict[str, list[Sample]]]:
     """What a run reads before it starts anything: (tokenizer, training prompts, eval sets). Each is
-    checked as it is read; a bad one is a ConfigError naming the field, file or row."""
+    checked as it is read; a bad one is a ConfigError naming the field, file or row. With ``tools``
+    (rollout.agent) the prompts offer them, in the model's chat format."""
     if cfg.model.synthesize:
         ensure_model(cfg.model.synthesize, cfg.model.path, seed=cfg.seed, dtype=cfg.model.dtype)
     # A hub id: its config and tokenizer fetched (or found in the cache) before anything starts; each
@@ -130,13 +141,46 @@ def read_inputs(cfg: C.Config) -> tuple[Any, PromptDataset, dict[str, list[Sampl
     field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
     tokenizer = load_tokenizer(cfg.model.tokenizer or folder, field, cfg.model.trust_remote_code)
     check_tokenizer_fits(tokenizer, cfg, hf_config)
-    train = load_prompts(cfg.data, tokenizer)
+    chat = chat_format(cfg, tokenizer, hf_config, tools) if tools else None
+    train = load_prompts(cfg.data, tokenizer, chat=chat)
     # An eval set has its own schema (AIME: problem + answer) and every row needs its answer.
     eval_data = replace(cfg.data, format="auto", prompt_key="", label_key="", on_bad_row="error")
-    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name,
+    eval_sets = {name: list(load_prompts(eval_data, tokenizer, source=name, chat=chat,
                                          split="eval" if name.startswith("arithmetic") else cfg.eval.split))
                  for name in cfg.eval.sets}
     return tokenizer, train, eval_sets
+
+
+def tool_executor(cfg: C.Config) -> Optional[ToolExecutor]:
+    """The tools of a multi-turn run (rollout.agent.enabled), built before anything else starts: a
+    machine that cannot run the python sandbox stops here in one line. None without the agent."""
+    if not cfg.rollout.agent.enabled:
+        return None
+    try:
+        return ToolExecutor(cfg.tools)
+    except (SandboxUnavailable, ValueError) as e:
+        raise C.ConfigError(str(e)) from None
+
+
+def chat_format(cfg: C.Config, tokenizer: Any, hf_config: dict, tools: ToolExecutor) -> ChatFormat:
+    """The model's chat format with the tools offered (its family's encoding, tools/chat.py)."""
+    try:
+        return ChatFormat(tokenizer, tools.specs(), chat_encoding(hf_config))
+    except ValueError as e:
+        field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        raise C.ConfigError(f"rollout.agent.enabled=true: {field}: {e}") from None
+
+
+def multi_turn(cfg: C.Config, plan: RunPlan, tokenizer: Any, tools: ToolExecutor) -> MultiTurn:
+    """Conversations with tools over the run's generation (rollout/agent.py)."""
+    hf_config = read_hf_config(model_folder(cfg.model.path, weights=False))
+    chat = chat_format(cfg, tokenizer, hf_config, tools)
+    agent = cfg.rollout.agent
+    try:
+        return MultiTurn(agent, plan.sampling, chat, tools, agent.tool_call_parser or tool_call_parser(hf_config),
+                         stop_ids(model_folder(cfg.model.path, weights=False), tokenizer))
+    except ValueError as e:
+        raise C.ConfigError(f"rollout.agent.enabled=true: {e}") from None
 
 
 def check_model_folder(path: str, weights: bool = True) -> dict:

@@ -45,6 +45,21 @@ class Sample:
     label: str = ""  # ground truth for the reward function
     prompt_text: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # A warm-start demonstration of the whole answer (turns with tool calls and their results): its
+    # ids after the prompt and which of them the policy writes (the SFT loss covers those only).
+    # Empty: the warm start trains on label + EOS.
+    demo_ids: list[int] = field(default_factory=list)
+    demo_mask: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Conversation:
+    """What a multi-turn rollout did in one row (rollout/agent.py)."""
+
+    turns: int  # assistant turns the policy wrote
+    tool_calls: int  # calls it made, malformed ones included
+    tool_errors: int  # calls whose result was an error (malformed, unknown tool, bad arguments, a failure)
+    tool_seconds: float  # the calls' wall time, summed
 
 
 @dataclass
@@ -66,6 +81,9 @@ class RolloutBatch:
     # [B, T] int64: the weights version that sampled each response token (0 elsewhere); set by
     # partial rollouts, whose continued rows mix versions (rollout/partial.py)
     token_versions: torch.Tensor | None = None
+    # [B] multi-turn rows: each row's turns and tool calls (None: one turn per row). Their tool
+    # results and template tokens are in the row but off loss_mask.
+    conversations: list[Conversation] | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
@@ -75,8 +93,8 @@ class RolloutBatch:
         for f in ("prompt_lens", "response_lens", "group_ids", "truncated"):
             if getattr(self, f).shape != (b,):
                 raise ValueError(f"RolloutBatch.{f} has shape {tuple(getattr(self, f).shape)}, expected {(b,)}")
-        for f in ("finish_reasons", "responses", "samples"):
-            if len(getattr(self, f)) != b:
+        for f in ("finish_reasons", "responses", "samples", "conversations"):
+            if getattr(self, f) is not None and len(getattr(self, f)) != b:
                 raise ValueError(f"RolloutBatch.{f} has {len(getattr(self, f))} entries, expected {b}")
         r = self.routed_experts
         if r is not None and (r.dim() != 4 or r.shape[:2] != (b, t)):
@@ -95,10 +113,12 @@ class RolloutBatch:
         responses: list[str] | None = None,
         n: int = 1,
         routed_experts: list[torch.Tensor] | None = None,
+        response_masks: list[list[bool]] | None = None,
     ) -> "RolloutBatch":
         """Right-pads B = len(prompt_ids) rows of prompt + response; rows come in groups of n adjacent rows.
         ``routed_experts[i]`` [n_i, L_moe, top_k]: the experts of row i's first n_i tokens (n_i <= its
-        length), zero after them."""
+        length), zero after them. ``response_masks[i]``: which of row i's response tokens the loss
+        covers (default: all of them)."""
         b = len(prompt_ids)
         if b % n:
             raise ValueError(f"{b} rows do not split into groups of n={n}")
@@ -109,7 +129,8 @@ class RolloutBatch:
         logprobs = torch.zeros((b, t), dtype=torch.float32)
         for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
             tokens[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            loss_mask[i, len(p) : len(p) + len(r)] = True
+            loss_mask[i, len(p) : len(p) + len(r)] = True if response_masks is None else \
+                torch.tensor(response_masks[i], dtype=torch.bool)
             if response_logprobs is not None:
                 logprobs[i, len(p) : len(p) + len(r)] = torch.tensor(response_logprobs[i], dtype=torch.float32)
         routing = None

@@ -11,6 +11,7 @@ import torch
 
 from colocate_rl.config import SyncConfig
 from colocate_rl.resolved import Resolved, Sampling, Scheduling
+from colocate_rl.rollout.agent import Turns
 from colocate_rl.rollout.base import Engine, Rollout
 from colocate_rl.rollout.buffer import Buffer
 from colocate_rl.types import RolloutBatch
@@ -62,8 +63,9 @@ class Workers(Protocol):
     def drain(self) -> None:
         """Waits until no generation is in flight (a broadcast must not race one)."""
 
-    def make_buffer(self, on_rollout: OnRollout) -> Buffer:
-        """Where the loop takes each step's batch from."""
+    def make_buffer(self, on_rollout: OnRollout, turns: Turns) -> Buffer:
+        """Where the loop takes each step's batch from; ``turns.over`` wraps the rollout's generate
+        (multi-turn rollouts with tools: rollout/agent.py)."""
 
     def device_used(self) -> Optional[int]:
         """Bytes in use on the first GPU, every process included (None on CPU)."""

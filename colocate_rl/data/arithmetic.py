@@ -20,7 +20,8 @@ def _max_b(cfg: ArithmeticConfig) -> int:
 
 
 def _draw(rng: random.Random, cfg: ArithmeticConfig) -> tuple[int, str, int]:
-    return rng.randint(0, cfg.max_operand), rng.choice(cfg.ops), rng.randint(0, _max_b(cfg))
+    lo = cfg.min_operand
+    return rng.randint(lo, cfg.max_operand), rng.choice(cfg.ops), rng.randint(lo, _max_b(cfg))
 
 
 def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tuple[str, str]]:
@@ -30,7 +31,8 @@ def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tup
         raise ValueError(f"arithmetic: ops={cfg.ops!r} must use only '+-*' and max_operand={cfg.max_operand} be >= 0")
     if split not in ("train", "eval"):
         raise ValueError(f"arithmetic: split '{split}' is not train or eval")
-    space = (cfg.max_operand + 1) * (_max_b(cfg) + 1) * len(set(cfg.ops))
+    lo = cfg.min_operand
+    space = (cfg.max_operand + 1 - lo) * (_max_b(cfg) + 1 - lo) * len(set(cfg.ops))
     n_eval = min(cfg.num_eval, space // 4)
     held_out: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
     rng = random.Random(cfg.seed)
@@ -45,3 +47,22 @@ def arithmetic_problems(cfg: ArithmeticConfig, split: str = "train") -> list[tup
             if t not in held_out:
                 triples.append(t)
     return [(f"{a}{op}{b}=", str(_APPLY[op](a, b))) for a, op, b in triples]
+
+
+def calculator_demo(problem: str, label: str) -> list[dict]:
+    """The turns that answer ``problem`` ("12*34=") with the calculator: a call with its expression,
+    the tool's result (the label, as the calculator writes an integer), and the answer."""
+    from colocate_rl.tools.chat import tool_call
+
+    return [{"role": "assistant", "content": "",
+             "tool_calls": [tool_call("calculator", {"expression": problem.rstrip("=")})]},
+            {"role": "tool", "content": label},
+            {"role": "assistant", "content": label}]
+
+
+def with_tool_demos(problems: list[tuple[str, str]], cfg: ArithmeticConfig) -> list[dict]:
+    """Rows {"prompt", "label"[, "demo"]}: a ``cfg.tool_demos`` share of them (drawn with the task's
+    seed) carry a calculator demonstration for the warm start."""
+    rng = random.Random(cfg.seed + 2)
+    return [{"prompt": p, "label": a, **({"demo": calculator_demo(p, a)} if rng.random() < cfg.tool_demos else {})}
+            for p, a in problems]

@@ -27,7 +27,8 @@ import datasets
 from colocate_rl.config import ConfigError, DataConfig
 from colocate_rl.errors import error_line, first_line
 from colocate_rl.private import cache_dir
-from colocate_rl.data.arithmetic import arithmetic_problems
+from colocate_rl.data.arithmetic import arithmetic_problems, with_tool_demos
+from colocate_rl.tools.chat import ChatFormat
 from colocate_rl.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,14 @@ def _checked(row: dict[str, Any], keys: tuple[str, str]) -> tuple[list[dict[str,
     return messages, str(label)
 
 
-def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokenizer, meta: dict) -> Sample:
+def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokenizer, meta: dict,
+            chat: Optional[ChatFormat] = None) -> Sample:
     messages, label = _checked(row, keys)
     prompt_key = keys[0]
-    if cfg.apply_chat_template:
+    if chat is not None:  # a multi-turn rollout: the tools offered, the messages kept for its turns
+        text = chat.render(messages)
+        meta = {**meta, "messages": messages}
+    elif cfg.apply_chat_template:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     elif isinstance(_get(row, prompt_key), str):
         text = messages[0]["content"]
@@ -157,7 +162,37 @@ def _sample(row: dict[str, Any], keys: tuple[str, str], cfg: DataConfig, tokeniz
                                   f"{cfg.max_prompt_tokens}")
     if isinstance(row.get("data_source"), str):
         meta = {**meta, "data_source": row["data_source"]}
-    return Sample(prompt_ids=list(ids), label=label, prompt_text=text, meta=meta)
+    sample = Sample(prompt_ids=list(ids), label=label, prompt_text=text, meta=meta)
+    if chat is not None and row.get("demo"):
+        sample.demo_ids, sample.demo_mask = demo_ids(chat, messages, row["demo"])
+    return sample
+
+
+def demo_ids(chat: ChatFormat, messages: list[dict], demo: list[dict]) -> tuple[list[int], list[bool]]:
+    """A demonstration's ids after the prompt ``messages``, and which of them the policy writes: each
+    assistant turn as the chat template writes it (its end token included), each run of tool results
+    as a rollout appends them."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    history = list(messages)
+    for i, m in enumerate(demo):
+        if m["role"] == "assistant":
+            turn = chat.assistant_ids(history, m)
+            ids, mask = ids + turn, mask + [True] * len(turn)
+        elif m["role"] == "tool" and (i == 0 or demo[i - 1]["role"] != "tool"):
+            results = [r["content"] for r in demo[i:i + _run_length(demo, i)]]
+            calls = history[-1].get("tool_calls", []) if history and history[-1]["role"] == "assistant" else []
+            turn = chat.tool_turn_ids(history[:-1], calls, results)
+            ids, mask = ids + turn, mask + [False] * len(turn)
+        history.append(m)
+    return ids, mask
+
+
+def _run_length(messages: list[dict], start: int) -> int:
+    n = 0
+    while start + n < len(messages) and messages[start + n]["role"] == "tool":
+        n += 1
+    return n
 
 
 def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
@@ -178,7 +213,8 @@ def _keys(cfg: DataConfig, columns: list[str], source: str) -> tuple[str, str]:
 
 
 def load_prompts(
-    cfg: DataConfig, tokenizer, source: Optional[str] = None, split: Optional[str] = None
+    cfg: DataConfig, tokenizer, source: Optional[str] = None, split: Optional[str] = None,
+    chat: Optional[ChatFormat] = None,
 ) -> PromptDataset:
     """Prompts of ``source`` (default ``cfg.train``) as Samples, in file order.
 
@@ -189,16 +225,23 @@ def load_prompts(
     ``cfg.max_prompt_tokens`` tokens) raises a ConfigError naming the source, the row (1-based, as
     a file's lines are counted) and the field, or with ``on_bad_row=skip`` is skipped and counted in
     ``PromptDataset.skipped``. ``Sample.meta["row"]`` is 0-based.
+
+    ``chat`` (multi-turn rollouts with tools): prompts are written by it, with the tools offered,
+    and keep their messages in ``meta["messages"]``; a row's "demo" (the turns after the prompt, as
+    chat messages: the arithmetic task's calculator demonstrations) becomes ``Sample.demo_ids``.
     """
     source = source or cfg.train
     if not source:
         raise ConfigError("data.train is empty: give a hub id, a .parquet/.jsonl/.json file or 'arithmetic'")
-    if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+    if cfg.apply_chat_template and chat is None and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"data.apply_chat_template=true but the tokenizer at {tokenizer.name_or_path} has no chat "
                           "template: set data.apply_chat_template=false, or model.tokenizer to one that has a template")
     if source == "arithmetic" or source.startswith("arithmetic:"):
-        problems = arithmetic_problems(cfg.arithmetic, source.partition(":")[2] or split or "train")
+        which = source.partition(":")[2] or split or "train"
+        problems = arithmetic_problems(cfg.arithmetic, which)
         rows: Sequence[dict[str, Any]] = [{"prompt": p, "label": a} for p, a in problems]
+        if chat is not None and which == "train" and cfg.arithmetic.tool_demos:
+            rows = with_tool_demos(problems, cfg.arithmetic)
         keys = ("prompt", "label")
     else:
         rows, columns = _read(source, split or cfg.split)
@@ -207,7 +250,7 @@ def load_prompts(
     samples, skipped = [], Counter()
     for i, row in enumerate(rows):
         try:
-            samples.append(_sample(row, keys, cfg, tokenizer, {"source": source, "row": i}))
+            samples.append(_sample(row, keys, cfg, tokenizer, {"source": source, "row": i}, chat))
         except _BadRow as e:
             if cfg.on_bad_row != "skip":
                 raise ConfigError(f"{source} row {i + 1}: {e} (data.on_bad_row=skip skips such rows)") from None

@@ -62,10 +62,13 @@ class PromptSampler:
 
 
 def sft_batch(samples: Sequence[Sample], tokenizer: Any, size: int, seed: int) -> RolloutBatch:
-    """Prompt + label + EOS rows for a supervised warm-start (the loss covers label and EOS): ``size``
-    samples drawn with ``seed``."""
+    """Rows for a supervised warm-start, ``size`` samples drawn with ``seed``: prompt + label + EOS
+    (the loss covers label and EOS), or prompt + a sample's demonstration (a conversation with tool
+    calls and their results: the loss covers the policy's tokens only, ``Sample.demo_mask``)."""
     rng = random.Random(seed)
     rows = rng.sample(list(samples), min(size, len(samples)))
     eos = tokenizer.eos_token_id
-    answers = [tokenizer(s.label, add_special_tokens=False).input_ids + [eos] for s in rows]
-    return RolloutBatch.from_rows([s.prompt_ids for s in rows], answers, rows, tokenizer.pad_token_id)
+    answers = [s.demo_ids or tokenizer(s.label, add_special_tokens=False).input_ids + [eos] for s in rows]
+    masks = [s.demo_mask or [True] * len(a) for s, a in zip(rows, answers)]
+    return RolloutBatch.from_rows([s.prompt_ids for s in rows], answers, rows, tokenizer.pad_token_id,
+                                  response_masks=masks)

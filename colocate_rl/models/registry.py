@@ -102,6 +102,9 @@ class Family:
     # vLLM's parser of the tool calls this family writes (its --tool-call-parser name, read through
     # vllm.tool_parsers.ToolParserManager by tools/parsing.py); "" for a family without one.
     tool_call_parser: str = ""
+    # How a conversation with tools is written (tools/chat.py): "" the tokenizer's chat template,
+    # "deepseek_v4" vLLM's DeepSeek-V4 encoder (the family ships no Jinja template).
+    chat_encoding: str = ""
 
 
 def load_hf_model(path: str, dtype) -> Any:
@@ -181,6 +184,11 @@ def tool_call_parser(hf: dict) -> str:
     if not family.tool_call_parser:
         raise ConfigError(f"model family {family.name} names no tool-call parser (Family.tool_call_parser)")
     return family.tool_call_parser
+
+
+def chat_encoding(hf: dict) -> str:
+    """How the model's family writes a conversation with tools (Family.chat_encoding)."""
+    return family_for(hf).chat_encoding
 
 
 def exact_samples_on_v2(hf_config: dict, routing_replay: bool) -> bool:

@@ -15,10 +15,42 @@ from colocate_rl.models.registry import read_hf_config
 from colocate_rl.private import private_dir, seal
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Single tokens in Qwen3's vocabulary; added after the BPE is trained, so every other id stays put.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
-# Qwen's chat format, shortened: no system prompt, no thinking block.
+# Qwen3's chat format, shortened: no thinking block, and a shorter preamble to the tools. Without
+# tools a conversation renders as <|im_start|>role\ncontent<|im_end|>\n per message. With tools
+# (OpenAI function specs) the system turn lists them as JSON between <tools> tags (a system
+# message's content first); an assistant message's tool_calls follow its content as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>; consecutive tool messages are one
+# user turn of <tool_response>\n...\n</tool_response> blocks.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% set skip_first = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|im_start|>system{{ '\\n' }}"
+    "{% if skip_first %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "# Tools{{ '\\n\\n' }}<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>{{ '\\n\\n' }}Call a tool as <tool_call>{{ '\\n' }}"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}{{ '\\n' }}</tool_call><|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if loop.first and skip_first %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>{{ '\\n' + m['content'] + '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant{{ '\\n' }}"
+    "{{ m['content'] or '' }}"
+    "{% for call in m['tool_calls'] %}"
+    "{% set f = call['function'] if call.get('function') else call %}"
+    "{% if not loop.first or m['content'] %}{{ '\\n' }}{% endif %}"
+    "<tool_call>{{ '\\n' }}{\"name\": \"{{ f['name'] }}\", \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}{{ '\\n' }}</tool_call>"
+    "{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -105,6 +137,8 @@ SHAPES: dict[str, dict] = {
     "deepseek-v4-tiny": _dsv4_tiny(),
     "deepseek-v4-mini": _dsv4_mini(),
 }
+# The same widths with 2048 positions: room for a system turn that lists tools (multi-turn rollouts).
+SHAPES.update({f"{name}-2k": {**SHAPES[name], "max_position_embeddings": 2048} for name in ("qwen3-tiny", "qwen3-small")})
 # Shapes written in the released checkpoint format (FP8 128x128 blocks with ue8m0 scales, MXFP4
 # routed experts), as vLLM's DeepSeek-V4 loads them.
 RELEASED_FORMAT = {"deepseek-v4-mini"}
@@ -175,6 +209,8 @@ def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
+    # Special: a response decoded with skip_special_tokens reads as before they were added.
+    tok.add_special_tokens(TOOL_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, chat_template=CHAT_TEMPLATE)
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))

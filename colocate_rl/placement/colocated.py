@@ -9,6 +9,7 @@ from __future__ import annotations
 from colocate_rl.config import ActorConfig, ConfigError, PlacementConfig, RolloutConfig
 from colocate_rl.placement.base import Placement, check_engine_tp, cpu_actor_ranks, data_parallel
 from colocate_rl.resolved import Layout
+from colocate_rl.rollout.agent import Turns
 from colocate_rl.rollout.base import Rollout
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.quantize import sync_plan
@@ -50,9 +51,10 @@ def check_launcher(pl: PlacementConfig, lay: Layout, launcher: str) -> None:
                           f"needs {lay.actor_gpus} actor ranks: set placement.launcher=auto or ray")
 
 
-def immediate_buffer(workers: Workers, on_rollout: OnRollout) -> ImmediateBuffer:
+def immediate_buffer(workers: Workers, on_rollout: OnRollout, turns: Turns) -> ImmediateBuffer:
     """The colocated launchers' buffer: it generates when the step asks, through the handoff (which
-    replaces a dead engine); ``workers.rollout`` is looked up at each call, as a restart replaces it."""
+    replaces a dead engine); ``workers.rollout`` is looked up at each call, as a restart replaces it.
+    A multi-turn rollout goes through the handoff turn by turn."""
 
     def generate(samples, **kw):
         return on_rollout("generate", lambda: workers.rollout.generate(samples, **kw))
@@ -60,7 +62,7 @@ def immediate_buffer(workers: Workers, on_rollout: OnRollout) -> ImmediateBuffer
     def generate_partial(groups, **kw):  # partial rollouts (rollout/partial.py)
         return on_rollout("generate", lambda: workers.rollout.generate_partial(groups, **kw))
 
-    return ImmediateBuffer(generate, generate_partial=generate_partial)
+    return ImmediateBuffer(turns.over(generate), generate_partial=generate_partial)
 
 
 def engine_quantization(rollout: Rollout) -> dict[str, str]:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from colocate_rl import platform
 from colocate_rl.config import PlacementConfig
 from colocate_rl.placement.colocated import engine_quantization, immediate_buffer
+from colocate_rl.rollout.agent import Turns
 from colocate_rl.rollout.base import Rollout
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -43,8 +44,8 @@ class LocalColocated:
     def drain(self) -> None:
         pass
 
-    def make_buffer(self, on_rollout: OnRollout) -> ImmediateBuffer:
-        return immediate_buffer(self, on_rollout)
+    def make_buffer(self, on_rollout: OnRollout, turns: Turns) -> ImmediateBuffer:
+        return immediate_buffer(self, on_rollout, turns)
 
     def device_used(self) -> Optional[int]:
         return platform.device_used()

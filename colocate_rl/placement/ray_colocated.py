@@ -39,6 +39,7 @@ from colocate_rl.placement.colocated import engine_quantization, immediate_buffe
 from colocate_rl.placement.nodes import ProcessLost, master_addr, network_env, node_groups
 from colocate_rl.placement.ray_tools import (ActorGroup, EngineGroup, EngineHost, Host, engine_call, rank_names,
                                              start_ray)
+from colocate_rl.rollout.agent import Turns
 from colocate_rl.rollout.base import EngineDied
 from colocate_rl.rollout.buffer import ImmediateBuffer
 from colocate_rl.weight_sync.ipc import SyncStats, merge_messages
@@ -168,8 +169,8 @@ class RayColocated:
     def drain(self) -> None:
         pass
 
-    def make_buffer(self, on_rollout: OnRollout) -> ImmediateBuffer:
-        return immediate_buffer(self, on_rollout)
+    def make_buffer(self, on_rollout: OnRollout, turns: Turns) -> ImmediateBuffer:
+        return immediate_buffer(self, on_rollout, turns)
 
     def device_used(self) -> Optional[int]:
         return ray.get(self.actor.ranks[0].device_used.remote())

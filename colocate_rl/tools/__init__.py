@@ -3,7 +3,7 @@
 
 from colocate_rl.tools import calculator, python  # noqa: F401 - registers the built-in tools
 from colocate_rl.tools.base import TOOLS, Tool, ToolCall, ToolResult, check_arguments, make_tools, register
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 from colocate_rl.tools.executor import ToolExecutor
 from colocate_rl.tools.parsing import ParsedTurn, parse_tool_calls, parser_for
 from colocate_rl.tools.sandbox import RunResult, Sandbox, SandboxUnavailable

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from colocate_rl.errors import error_line
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 
 log = logging.getLogger(__name__)
 

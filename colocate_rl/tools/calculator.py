@@ -9,7 +9,7 @@ import math
 import operator
 
 from colocate_rl.tools.base import Tool, ToolResult, register
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 
 MAX_CHARS = 1000  # longest expression
 MAX_EXPONENT = 10_000  # |b| in a ** b

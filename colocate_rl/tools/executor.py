@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from colocate_rl.tools.base import Tool, ToolCall, ToolResult, make_tools
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 
 
 class ToolExecutor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 from colocate_rl.tools.base import Tool, ToolResult, register
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 from colocate_rl.tools.sandbox import RunResult, Sandbox
 
 

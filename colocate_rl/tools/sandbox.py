@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from colocate_rl.tools.config import ToolsConfig
+from colocate_rl.config import ToolsConfig
 
 log = logging.getLogger(__name__)
 

@@ -302,3 +302,18 @@ def test_min_lr_above_lr_and_too_many_cpu_ranks():
     assert err(["actor.lr=1e-6", "actor.min_lr=1e-5"]).startswith("actor.min_lr=1e-05 must be <= actor.lr=1e-06")
     msg = err(["placement.gpus_per_node=0", "actor.dp=300"])
     assert "300 actor ranks" in msg and "at most 256" in msg
+
+
+def test_multi_turn_rollouts_need_the_chat_format_and_known_tools():
+    on = ["rollout.agent.enabled=true"]
+    assert err([*on, "data.apply_chat_template=false"]).startswith(
+        "rollout.agent.enabled=true writes every turn in the model's chat format")
+    chat = [*on, "data.apply_chat_template=true"]
+    assert err([*chat, "tools.names=[calculator,search]"]) == \
+        "tools.names=['calculator', 'search']: 'search' is not one of calculator, python"
+    assert err([*chat, "tools.names=[]"]) == "tools.names=[]: a multi-turn rollout needs at least one tool"
+    assert err([*chat, "rollout.agent.max_turns=0"]).startswith("rollout.agent.max_turns=0 must be")
+    assert err([*chat, "tools.timeout_s=0"]).startswith("tools.timeout_s=0.0 must be")
+    assert resolve(load(base(), overrides=[*chat, "tools.names=[calculator]"])).cfg.rollout.agent.enabled
+    assert err(["data.arithmetic.min_operand=10", "data.arithmetic.max_operand=9"]).startswith(
+        "data.arithmetic.min_operand=10 must be <= data.arithmetic.max_operand")

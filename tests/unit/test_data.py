@@ -211,3 +211,41 @@ def test_math_eval_set_schema_and_an_eval_set_without_answers(tmp_path, tokenize
     one_missing.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=rf"^{one_missing} row 2: 'answer' is missing or null"):
         load_prompts(DataConfig(apply_chat_template=False), tokenizer, source=str(one_missing))
+
+
+def test_arithmetic_min_operand_bounds_both_operands():
+    cfg = ArithmeticConfig(num_train=200, num_eval=20, min_operand=10, max_operand=99, ops="*")
+    operands = [int(x) for p, _ in arithmetic_problems(cfg) for x in p.rstrip("=").split("*")]
+    assert min(operands) >= 10 and max(operands) <= 99 and len(operands) == 400
+
+
+def test_multi_turn_prompts_offer_the_tools_and_demos_mask_the_results(tokenizer):
+    """With a chat format (rollout.agent): the prompt lists the tools and keeps its messages; a
+    tool_demos share of the arithmetic rows carries a calculator demonstration whose warm-start
+    loss covers the policy's two turns and not the tool's result."""
+    from colocate_rl.config import ToolsConfig
+    from colocate_rl.data.sampler import sft_batch
+    from colocate_rl.tools import ToolExecutor
+    from colocate_rl.tools.chat import ChatFormat
+
+    with ToolExecutor(ToolsConfig(names=["calculator"])) as ex:
+        chat = ChatFormat(tokenizer, ex.specs())
+    cfg = DataConfig(train="arithmetic", apply_chat_template=True, max_prompt_tokens=512,
+                     arithmetic=ArithmeticConfig(num_train=40, num_eval=4, min_operand=10, max_operand=99, ops="*",
+                                                 tool_demos=0.5))
+    rows = list(load_prompts(cfg, tokenizer, chat=chat))
+    assert all('"name": "calculator"' in s.prompt_text and s.meta["messages"][-1]["role"] == "user" for s in rows)
+    demos = [s for s in rows if s.demo_ids]
+    assert 0 < len(demos) < len(rows)
+    batch = sft_batch(demos, tokenizer, size=len(demos), seed=0)
+    for i, s in enumerate(batch.samples):
+        start, end = int(batch.prompt_lens[i]), int(batch.attention_mask[i].sum())
+        mask = batch.loss_mask[i, start:end]
+        written = tokenizer.decode(batch.tokens[i, start:end][mask].tolist())
+        expression = s.meta["messages"][-1]["content"].rstrip("=")
+        assert written == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression
+                           + '"}}\n</tool_call><|im_end|>' + s.label + "<|im_end|>")
+        assert f"<tool_response>\n{s.label}\n</tool_response>" in tokenizer.decode(
+            batch.tokens[i, start:end][~mask].tolist())
+    plain = sft_batch([s for s in rows if not s.demo_ids][:3], tokenizer, size=3, seed=0)
+    assert all(int(plain.loss_mask[i].sum()) == len(tokenizer.encode(s.label)) + 1 for i, s in enumerate(plain.samples))

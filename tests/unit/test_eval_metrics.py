@@ -27,6 +27,21 @@ def test_summarize_groups():
     assert "eval/pass@8" not in m
 
 
+def test_summarize_conversations_counts_tool_use():
+    """Multi-turn eval rows: turns per row, the share of rows that called a tool, and the share of
+    the correct rows that did."""
+    from colocate_rl.types import Conversation
+
+    s = Sample([1], label="2")
+    b = RolloutBatch.from_rows([[1]] * 4, [[5]] * 4, [s] * 4, 0, n=2)
+    b.conversations = [Conversation(2, 1, 0, 0.1), Conversation(1, 0, 0, 0.0), Conversation(3, 2, 1, 0.2),
+                       Conversation(1, 0, 0, 0.0)]
+    m = summarize(b, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    assert m["eval/turns"] == pytest.approx(7 / 4) and m["eval/tool_use"] == pytest.approx(2 / 4)
+    assert m["eval/correct_with_tool"] == pytest.approx(1 / 3)
+    b.conversations = None
+    assert "eval/turns" not in summarize(b, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+
 def test_metrics_file_console_and_plot(tmp_path):
     log = MetricsLog(tmp_path, {"a": 1})
     t = PhaseTimer()

@@ -170,4 +170,5 @@ FAMILY = register(Family(
     activation_factor=4.1,
     fp32_residual=False,  # the residual is hc_mult mHC streams, not Megatron's one stream
     tool_call_parser="deepseek_v4",  # DSML <｜DSML｜tool_calls> blocks (vllm/parser/deepseek_v4.py)
+    chat_encoding="deepseek_v4",  # vLLM's encoder (vllm/tokenizers/deepseek_v4_encoding.py)
 ))
