@@ -30,7 +30,8 @@ is for.
 
 Pairs, as gpu_vs_trl.py: ``--pairs 3`` runs alternating pairs in ABBA order; ``--sides N`` continues
 this machine's series (under $COLOCATE_RL_CACHE/gpu_vs_verl/<profile>/<tokens>/pairK/) by its next N
-runs; ``--summarize DIR`` rebuilds a result from a pair's or a series' records. The first step of
+runs; ``--summarize DIR`` rebuilds a result from a pair's or a series' records; ``--smoke`` runs verl's
+side alone, once. The first step of
 each side is warm-up and not counted. verl's step time is the wall time between its per-step
 records (its timing_s/step, which leaves out the logging, is kept too).
 """
@@ -464,40 +465,47 @@ def verl_step_seconds(steps: list[dict]) -> list[float]:
     return out
 
 
+def verl_side(verl: dict) -> dict:
+    """verl's part of a result from its record: medians (gap metrics: means) over the timed steps."""
+    vm = [s["metrics"] for s in verl["steps"][1:]]
+    seconds = verl_step_seconds(verl["steps"])
+    timing = sorted({k for m in vm for k in m if k.startswith("timing_s/")})
+    return {
+        "verl_s_per_step": statistics.median(seconds),
+        "verl_timing_step_s": _median(m.get("timing_s/step") for m in vm),
+        "verl_phase_s": {k[len("timing_s/"):]: _median(m.get(k) for m in vm) for k in timing},
+        # the mean |probability trainer - probability sampler| per token (ours reports the same of
+        # logprobs), and verl's off-policy diagnostics
+        "verl_rollout_probs_diff_mean": _mean(m.get("training/rollout_probs_diff_mean") for m in vm),
+        "verl_rollout_probs_diff_max": _mean(m.get("training/rollout_probs_diff_max") for m in vm),
+        "verl_rollout_corr_k3_kl": _mean(m.get("rollout_corr/k3_kl") for m in vm),
+        "verl_rollout_corr_log_ppl_abs_diff": _mean(m.get("rollout_corr/log_ppl_abs_diff") for m in vm),
+        "verl_response_len": _mean(m.get("response_length/mean") for m in vm),
+        "verl_card_peak_gib": (verl.get("card_memory") or {}).get("peak_gib"),
+        "verl_actor_max_allocated_gib": _median(m.get("perf/max_memory_allocated_gb") for m in vm),
+        "verl_steps_s": seconds,
+        "verl_startup_s": verl["wall_s"] - sum(seconds),
+    }
+
+
 def summarize(ours: dict, verl: dict) -> dict:
     """The result from each side's record: medians over the steps after the warm-up one."""
-    timed, vtimed = ours["steps"][1:], verl["steps"][1:]
-    vm = [s["metrics"] for s in vtimed]
-    ours_s, verl_s = statistics.median(x["wall"] for x in timed), statistics.median(verl_step_seconds(verl["steps"]))
-    timing = sorted({k for m in vm for k in m if k.startswith("timing_s/")})
-    mem = lambda rec: (rec.get("card_memory") or {}).get("peak_gib")  # noqa: E731
+    timed = ours["steps"][1:]
+    ours_s, v = statistics.median(x["wall"] for x in timed), verl_side(verl)
     return {
         "benchmark": "gpu_vs_verl",
         "machine": {**ours.get("machine", {}), "verl_side": verl["versions"]},
         "settings": {**{k: v for k, v in ours.get("settings", {}).items() if not k.startswith("verl_")},
                      "verl_profile": verl["profile"], "verl_overrides": verl["overrides"]},
         "ours_s_per_step": ours_s,
-        "verl_s_per_step": verl_s,
-        "step_s_vs_verl": verl_s / ours_s,
-        "verl_timing_step_s": _median(m.get("timing_s/step") for m in vm),
+        "step_s_vs_verl": v["verl_s_per_step"] / ours_s,
         "ours_phase_s": {k: statistics.median(x[k] for x in timed) for k in timed[0]
                          if k not in ("wall", "lp_diff", "response_len")},
-        "verl_phase_s": {k[len("timing_s/"):]: _median(m.get(k) for m in vm) for k in timing},
-        # ours: mean |logprob trainer - logprob sampler| per token; verl: the same of probabilities
-        # (training/rollout_probs_diff_*) and its off-policy diagnostics (rollout_corr/*)
-        "ours_logprob_abs_diff_mean": statistics.fmean(x["lp_diff"] for x in timed),
-        "verl_rollout_probs_diff_mean": _mean(m.get("training/rollout_probs_diff_mean") for m in vm),
-        "verl_rollout_probs_diff_max": _mean(m.get("training/rollout_probs_diff_max") for m in vm),
-        "verl_rollout_corr_k3_kl": _mean(m.get("rollout_corr/k3_kl") for m in vm),
-        "verl_rollout_corr_log_ppl_abs_diff": _mean(m.get("rollout_corr/log_ppl_abs_diff") for m in vm),
+        "ours_logprob_abs_diff_mean": statistics.fmean(x["lp_diff"] for x in timed),  # mean |logprob diff|
         "ours_response_len": statistics.fmean(x["response_len"] for x in timed),
-        "verl_response_len": _mean(m.get("response_length/mean") for m in vm),
-        "ours_card_peak_gib": mem(ours),
-        "verl_card_peak_gib": mem(verl),
-        "verl_actor_max_allocated_gib": _median(m.get("perf/max_memory_allocated_gb") for m in vm),
+        "ours_card_peak_gib": (ours.get("card_memory") or {}).get("peak_gib"),
+        **v,
         "ours_steps": ours["steps"],
-        "verl_steps_s": verl_step_seconds(verl["steps"]),
-        "verl_startup_s": verl["wall_s"] - sum(verl_step_seconds(verl["steps"])),
     }
 
 
@@ -550,6 +558,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verl-site", type=Path, default=Path(os.environ.get("VERL_SITE", "/tmp/verl/site")),
                     help="the folder verl's packages are installed in (scripts/verl_bundle.sh)")
     ap.add_argument("--verl-timeout", type=float, default=540, help="seconds verl's run may take")
+    ap.add_argument("--smoke", action="store_true", help="only verl's side, once (checks that it runs here)")
     ap.add_argument("--pairs", type=int, default=1, help="a new series of this many alternating pairs (ABBA order)")
     ap.add_argument("--sides", type=int, metavar="N",
                     help="continue this machine's series by its next N runs (one side each) instead")
@@ -593,6 +602,13 @@ def main() -> None:
     if args.job:
         args.verl_site = str(args.verl_site)  # the record's settings are JSON
         return gpu_vs_trl.ours_job(args, path, root, args.job)
+    if args.smoke:
+        work = private_dir(root / "gpu_vs_verl" / "smoke")
+        run_verl(args, path, root, work)
+        verl = json.loads((work / "verl.json").read_text())
+        return write(args, {"benchmark": "gpu_vs_verl, verl alone", "versions": verl["versions"],
+                            "settings": {"verl_profile": verl["profile"], "verl_overrides": verl["overrides"]},
+                            **verl_side(verl)})
     series = root / "gpu_vs_verl" / args.verl_profile / str(args.tokens)
     if args.sides is None:  # a new series
         shutil.rmtree(series, ignore_errors=True)
