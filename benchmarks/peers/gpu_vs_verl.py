@@ -46,6 +46,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -62,9 +63,10 @@ VERSIONS = ("verl", "vllm", "torch", "transformers", "tokenizers", "ray", "tenso
             "hydra-core", "omegaconf")
 
 
-def verl_overrides(args, model: Path, data: Path, work: Path) -> list[str]:
+def verl_overrides(args, model: Path, data: Path, work: Path, ray_dir: Path) -> list[str]:
     """The hydra overrides of verl's run: the workload (as ours'), what verl needs on this machine,
-    then the profile's settings and ``--verl-set``, later ones winning."""
+    then the profile's settings and ``--verl-set``, later ones winning. ``ray_dir``: Ray's session
+    folder, short (its socket paths must stay under 108 bytes)."""
     a, r, m = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
     workload = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "algorithm.norm_adv_by_std_in_grpo=true",
@@ -79,6 +81,7 @@ def verl_overrides(args, model: Path, data: Path, work: Path) -> list[str]:
         f"{a}.use_kl_loss=false", f"{a}.entropy_coeff=0",
         f"{r}.name=vllm", f"{r}.n={args.n}", f"{r}.temperature=1.0", f"{r}.top_p=1.0", f"{r}.top_k=-1",
         f"{r}.ignore_eos=true", f"{r}.tensor_model_parallel_size=1", f"{r}.calculate_log_probs=true",
+        f"{r}.max_model_len={MAX_PROMPT_TOKENS + args.tokens}",  # ours' (verl's default: the model's 40960)
         f"reward.custom_reward_function.path={REWARD}", "reward.custom_reward_function.name=compute_score",
     ]
     machine = [
@@ -96,7 +99,7 @@ def verl_overrides(args, model: Path, data: Path, work: Path) -> list[str]:
         # Ray, its vLLM HTTP server and TransferQueue's sockets bind the Ray node's address: loopback;
         # no dashboard (the token that Ray's processes need comes through the environment)
         f"ray_kwargs.ray_init.num_cpus={os.cpu_count() or 1}", "+ray_kwargs.ray_init.include_dashboard=false",
-        "+ray_kwargs.ray_init._node_ip_address=127.0.0.1", f"+ray_kwargs.ray_init._temp_dir={work / 'ray'}",
+        "+ray_kwargs.ray_init._node_ip_address=127.0.0.1", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
         f"hydra.run.dir={work / 'hydra'}", "hydra.output_subdir=null",
     ]
     return workload + machine + PROFILES[args.verl_profile](args) + list(args.verl_set)
@@ -132,14 +135,17 @@ PROFILES = {"recommended": recommended, "matched": matched}
 
 def verl_env(site: Path, work: Path, token_file: Path) -> dict[str, str]:
     """verl's process environment: its package folder first, the rest of ours' path but our checkout
-    (verl's wheel ships top-level `tests` and `scripts` packages of its own), Ray's token from a file."""
+    (verl's wheel ships top-level `tests` and `scripts` packages of its own), Ray's token from a file,
+    and its actor's process group formed through a file (verl reads DIST_INIT_METHOD) rather than a
+    TCPStore, whose master listens on every interface whatever address it is given."""
     env = dict(os.environ)
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     env.pop("RAY_AUTH_TOKEN", None)  # Ray would prefer it to the file
     env.update(PYTHONPATH=os.pathsep.join([str(site), *rest]), RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN_PATH=str(token_file), RAY_USAGE_STATS_ENABLED="0",
-               VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(work / "hf-datasets"), WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+               DIST_INIT_METHOD=f"file://{work / 'torch-store'}", VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(work / "hf-datasets"),
+               WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     return env
 
 
@@ -350,9 +356,10 @@ def run_verl(args, path: Path, root: Path, work: Path) -> None:
     check_prompt_ids(path, cfg)
     data = work / "prompts.parquet"
     write_prompts(data, arithmetic_problems(ArithmeticConfig(), "train"))
-    for stale in ("metrics.jsonl", "verl.log"):
+    for stale in ("metrics.jsonl", "verl.log", "torch-store"):  # a file store must start empty
         (work / stale).unlink(missing_ok=True)
-    overrides = verl_overrides(args, path, data, work)
+    ray_dir = Path(tempfile.mkdtemp(prefix="verl-ray-", dir="/tmp"))  # 0700; removed after the run
+    overrides = verl_overrides(args, path, data, work, ray_dir)
     write_text(work / "verl.overrides", "\n".join(overrides) + "\n")
     env = verl_env(args.verl_site, work, local_token_file())
     stamps = Stamps(work / "metrics.jsonl")
@@ -370,6 +377,7 @@ def run_verl(args, path: Path, root: Path, work: Path) -> None:
             _end_group(proc)
             stamps.done.set()
             stamps.join()
+            shutil.rmtree(ray_dir, ignore_errors=True)
     wall = time.perf_counter() - t0
     log_text = (work / "verl.log").read_text(errors="replace")
     metrics = (work / "metrics.jsonl")
@@ -395,10 +403,16 @@ def _private(path, flags):
 
 
 def _end_group(proc: subprocess.Popen) -> None:
-    """Stops what is left of the process group the verl run started (Ray's own processes end with its
-    driver; this is for a run cut short), SIGKILL after 30 s."""
+    """Stops what is left of the process group the verl run started: a driver still running first
+    gets SIGINT (Python then shuts its Ray down), then the group SIGTERM, SIGKILL after 30 s."""
     import signal
 
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -38,7 +38,7 @@ def site(tmp_path):
 def overrides(bench, site, *argv):
     """verl's overrides for these options, and them as a dict (the last of a key wins, as in hydra)."""
     args = bench.parse_args(["--verl-site", str(site), *argv])
-    ov = bench.verl_overrides(args, Path("/m"), Path("/d.parquet"), site.parent / "work")
+    ov = bench.verl_overrides(args, Path("/m"), Path("/d.parquet"), site.parent / "work", Path("/tmp/verl-ray-x"))
     return ov, {k.lstrip("+"): v for k, v in (o.split("=", 1) for o in ov)}
 
 
@@ -73,6 +73,7 @@ def test_verls_run_does_ours_work(bench, site):
     assert (o[ar + "clip_ratio_low"], o[ar + "clip_ratio_high"], o[ar + "use_kl_loss"]) == ("0.2", "0.28", "false")
     assert o["algorithm.adv_estimator"] == "grpo" and o[ar + "strategy"] == "fsdp"
     assert o["trainer.total_training_steps"] == "3"  # a warm-up step and the timed ones
+    assert o[r + "max_model_len"] == str(bench.MAX_PROMPT_TOKENS + 1024)
     assert o["actor_rollout_ref.model.custom_chat_template"] == f'"{bench.PASS_THROUGH_TEMPLATE}"'
 
 
@@ -82,8 +83,8 @@ def test_verl_binds_loopback_and_reaches_nothing_outside(bench, site):
     assert o["ray_kwargs.ray_init.include_dashboard"] == "false"
     assert "wandb" not in o["trainer.logger"] and o["trainer.val_before_train"] == "false"
     work = str(site.parent / "work")
-    assert all(o[k].startswith(work) for k in ("ray_kwargs.ray_init._temp_dir", "hydra.run.dir",
-                                               "trainer.default_local_dir"))
+    assert o["hydra.run.dir"].startswith(work) and o["trainer.default_local_dir"].startswith(work)
+    assert o["ray_kwargs.ray_init._temp_dir"] == "/tmp/verl-ray-x"
 
 
 def test_the_profiles(bench, site):
@@ -117,6 +118,7 @@ def test_verls_environment(bench, tmp_path, monkeypatch):
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "token")
     assert "RAY_AUTH_TOKEN" not in env
     assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "work" / "metrics.jsonl")
+    assert env["DIST_INIT_METHOD"] == f"file://{tmp_path / 'work' / 'torch-store'}"  # no TCPStore to listen
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +165,16 @@ def our_config(bench, path, tmp_path):
     from colocate_rl.config import Config, ModelConfig, load
 
     args = bench.parse_args(["--summarize", str(tmp_path)])
-    return load(Config(model=ModelConfig(path=str(path))), overrides=bench.gpu_vs_trl.our_overrides(args, path, tmp_path))
+    ov = bench.gpu_vs_trl.our_overrides(args, path, tmp_path)
+    return load(Config(model=ModelConfig(path=str(path))), overrides=ov)
 
 
 def test_verl_reads_the_prompts_as_ours_and_a_template_that_adds_tokens_is_caught(bench, tiny, tmp_path, monkeypatch):
     _, full = tiny
     cfg = our_config(bench, full, tmp_path)
     bench.check_prompt_ids(full, cfg)  # the pass-through template: the same ids
-    monkeypatch.setattr(bench, "PASS_THROUGH_TEMPLATE", "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}")
+    header = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"
+    monkeypatch.setattr(bench, "PASS_THROUGH_TEMPLATE", header)
     with pytest.raises(SystemExit, match="verl would read"):
         bench.check_prompt_ids(full, cfg)
 
@@ -201,7 +205,7 @@ def test_verls_reward_is_ours():
 CONSOLE = """\
 (TaskRunnerV1 pid=4242) Training Progress:  25%|██▌       | 1/4
 (TaskRunnerV1 pid=4242) step:1 - timing_s/gen:12.5 - timing_s/step:20.25 - actor/lr:1e-06 - response_length/mean:256.0
-(TaskRunnerV1 pid=4242) step:2 - timing_s/gen:6.0 - timing_s/step:9.5 - training/rollout_probs_diff_mean:np.float64(0.0031)
+(TaskRunnerV1 pid=4242) step:2 - timing_s/step:9.5 - training/rollout_probs_diff_mean:np.float64(0.0031)
 (pid=7) prestep:9 - timing_s/step:1.0
 """
 
