@@ -346,7 +346,8 @@ def versions(env: dict) -> dict:
 
 
 def run_verl(args, path: Path, root: Path, work: Path) -> None:
-    """verl's side of a pair, in its own process group, into work/verl.json (its console in verl.log)."""
+    """verl's side of a pair, in its own process group, into work/verl.json (its console in verl.log
+    and on ours)."""
     from colocate_rl.config import ArithmeticConfig, Config, ModelConfig, load
     from colocate_rl.data.arithmetic import arithmetic_problems
     from colocate_rl.placement.ray_auth import local_token_file
@@ -368,13 +369,16 @@ def run_verl(args, path: Path, root: Path, work: Path) -> None:
     with open(work / "verl.log", "w", opener=_private) as log, CardMemory() as mem:
         stamps.start()
         proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], cwd=work, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
+        tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
+        tee.start()
         try:
             rc = proc.wait(timeout=args.verl_timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
             _end_group(proc)
+            tee.join(timeout=30)
             stamps.done.set()
             stamps.join()
             shutil.rmtree(ray_dir, ignore_errors=True)
@@ -394,6 +398,15 @@ def run_verl(args, path: Path, root: Path, work: Path) -> None:
               "overrides": overrides, "card_memory": mem.result}
     write_text(work / "verl.json", json.dumps(record))
     print(f"[verl] done in {wall:.0f}s", flush=True)
+
+
+def _tee(stream, log) -> None:
+    """verl's console, line by line, into its log and ours (a command cut short keeps what it printed)."""
+    for line in iter(stream.readline, b""):
+        log.write(line.decode(errors="replace"))
+        log.flush()
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
 
 
 def _private(path, flags):
