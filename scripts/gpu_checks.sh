@@ -16,6 +16,10 @@
 # grouped experts' GPU test and benchmarks/kernels/expert_kernels.py), trl, trl256-pair and trl1024-pair (the next pair of ours vs TRL at 256
 # tokens, 3 timed steps a side, or at 1024, 1 timed step a side: one lease's series in ABBA order,
 # summarized after each command; PAIR_ARGS adds gpu_vs_trl.py options, e.g. --fp32-residual=false),
+# verl-smoke, verl256-pair and verl1024-pair (benchmarks/peers/gpu_vs_verl.py: verl alone for one
+# timed step of 16 x 8 x 64, then the next pair of ours vs verl at 256 tokens, 3 timed steps a side,
+# or the next side at 1024, 1 timed step; VERL_ARGS adds options, e.g. --verl-profile=matched; verl's
+# packages come from scripts/verl_bundle.sh's install script, in $VERL_SITE, default /tmp/verl/site),
 # learn-probe, learn-sweep, learn-seeds (benchmarks/learning/learning_at_width.py's stages, LEARN_ARGS for their
 # options), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
@@ -125,6 +129,21 @@ for group in trl256-pair:256:3:2 trl1024-pair:1024:1:2; do  # the next runs of t
       --out "$out/gpu_vs_trl_${tokens}_pairs.json" > "$out/gpu_vs_trl_$tokens.log" 2>&1 || rc=1
     grep -vE "INFO|^\(" "$out/gpu_vs_trl_$tokens.log" | grep -E "^\[|step|no pair" | tail -12
     [ -f "$out/gpu_vs_trl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_trl_${tokens}_pairs.json"
+  fi
+done
+if run verl-smoke; then  # verl's side alone, small: does it run on this machine?
+  python3 benchmarks/peers/gpu_vs_verl.py --smoke --prompts 16 --tokens 64 --steps 1 ${VERL_ARGS:-} \
+    --out "$out/gpu_vs_verl_smoke.json" > "$out/gpu_vs_verl_smoke.log" 2>&1 || rc=1
+  grep -E "^\[|step|Error|error" "$out/gpu_vs_verl_smoke.log" | tail -30
+  cp "$COLOCATE_RL_CACHE/gpu_vs_verl/smoke/verl.log" "$out/verl_smoke_console.log" 2>/dev/null || true
+fi
+for group in verl256-pair:256:3:2 verl1024-pair:1024:1:1; do  # the next runs of this lease's series, ABBA
+  IFS=: read -r name tokens steps sides <<< "$group"
+  if run "$name"; then
+    python3 benchmarks/peers/gpu_vs_verl.py --tokens "$tokens" --steps "$steps" --sides "$sides" ${VERL_ARGS:-} \
+      --out "$out/gpu_vs_verl_${tokens}_pairs.json" > "$out/gpu_vs_verl_$tokens.log" 2>&1 || rc=1
+    grep -vE "INFO|^\(" "$out/gpu_vs_verl_$tokens.log" | grep -E "^\[|step|no pair|Error|exited|timed out" | tail -14
+    [ -f "$out/gpu_vs_verl_${tokens}_pairs.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'per_pair' in k or k.startswith('step_s')})" "$out/gpu_vs_verl_${tokens}_pairs.json"
   fi
 done
 for stage in probe sweep seeds; do  # learning at width: Qwen3-0.6B's shape on 3-digit addition (LEARN_ARGS adds options)
