@@ -71,7 +71,7 @@ def setup(script: dict[str, list[str]], parties: int, max_turns: int = 3, budget
     tok = build_tokenizer()
     executor = Recording(parties)
     chat = ChatFormat(tok, executor.specs())
-    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_response_tokens=budget, seed=0, seed_each_step=False)
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, top_k=0, max_response_tokens=budget, seed=0, seed_each_step=False)
     agent = MultiTurn(AgentConfig(enabled=True, max_turns=max_turns), sampling, chat, executor, "hermes",
                       [chat.end_id])
     samples = []

@@ -15,7 +15,7 @@ from colocate_rl.rollout.partial import PartialRollouts, Segment, in_group_order
 from colocate_rl.types import RolloutBatch, Sample
 
 N = 2
-SAMPLING = Sampling(n=N, temperature=1.0, top_p=1.0, max_response_tokens=10, seed=0, seed_each_step=True)
+SAMPLING = Sampling(n=N, temperature=1.0, top_p=1.0, top_k=0, max_response_tokens=10, seed=0, seed_each_step=True)
 SCHEDULING = Scheduling(off_policy=False, custom_fn="", max_engine_restarts=0, dynamic_sampling=False,
                         dynamic_max_rounds=0, max_staleness=1, partial=True, over_sample=2)
 
