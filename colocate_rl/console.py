@@ -122,7 +122,8 @@ def _restore(saved: list) -> None:
     for lg, level, handlers, propagate in saved:
         for h in lg.handlers[:]:
             lg.removeHandler(h)
-            h.close()
+            if h not in handlers:
+                h.close()
         lg.setLevel(level)
         lg.propagate = propagate
         for h in handlers:
