@@ -158,7 +158,9 @@ def padded_tokenizer(folder: Path, vocab_size: int) -> int:
     path = folder / "tokenizer.json"
     tok = json.loads(path.read_text())
     vocab = tok["model"]["vocab"]
-    n = 1 + max([*vocab.values(), *(t["id"] for t in tok.get("added_tokens", []))])
+    for t in tok.get("added_tokens", []):  # no gap below the fillers: transformers renumbers past one
+        vocab.setdefault(t["content"], t["id"])
+    n = 1 + max(vocab.values())
     if n > vocab_size:
         raise ValueError(f"{path} has {n} ids, more than the model's vocab_size {vocab_size}")
     added, k = 0, 0

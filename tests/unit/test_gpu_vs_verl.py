@@ -131,8 +131,6 @@ def tiny(bench, tmp_path_factory):
     return base, bench.full_vocab_model(base, d / "full")
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: with added tokens (the tiny tokenizer's tool-call tokens) "
-                   "below the padded BPE ids, transformers renumbers the added tokens after the padding")
 def test_the_tokenizer_covers_every_row_and_encodes_text_as_before(tiny):
     from transformers import AutoTokenizer
 
