@@ -64,7 +64,8 @@ class Handoff:
         self.workers, self.resolved, self.sync, self.step = workers, resolved, sync, step
         self.max_engine_restarts = max_engine_restarts
         self.machine = PhaseMachine(memory, measure=measure)
-        self.syncs = 0  # weights versions the engines have received
+        self.syncs = 0  # weights transfers to the engines
+        self.version = 0  # weights changes the engines hold (a re-sync of the same weights is not one)
         self.restarts = 0  # engines replaced since the last take_counts()
         self.moved = {"onload": 0, "offload": 0}  # bytes, since the last take_counts()
         self.moved_s = {"onload": 0.0, "offload": 0.0}
@@ -168,8 +169,12 @@ class ColocatedHandoff(Handoff):
     def to_rollout(self, t: Optional[PhaseTimer] = None, changed: bool = True) -> SyncStats:
         # A sleeping engine always needs the sync, ``changed`` or not: sleep level 2 discarded its
         # weights. An engine kept awake still holds them.
+        self.version += changed
+        return self._wake(t, sync=changed or bool(self.resolved.rollout_sleep))
+
+    def _wake(self, t: Optional[PhaseTimer], sync: bool) -> SyncStats:
         try:
-            return self._staged_wake(t, sync=changed or bool(self.resolved.rollout_sleep))
+            return self._staged_wake(t, sync=sync)
         except _Resynced as done:
             return done.stats
 
@@ -200,7 +205,7 @@ class ColocatedHandoff(Handoff):
         self.workers.restart_rollout()
         self.machine.reset(Phase.ROLLOUT)
         self.to_actor()
-        return self.to_rollout()
+        return self._wake(None, sync=True)
 
 
 class DisaggregatedHandoff(Handoff):
@@ -213,6 +218,7 @@ class DisaggregatedHandoff(Handoff):
     def to_rollout(self, t: Optional[PhaseTimer] = None, changed: bool = True) -> SyncStats:
         if not changed:  # e.g. after a checkpoint: the engines already hold these weights
             return SyncStats()
+        self.version += 1
         with _timed(t, "wait_rollout"):
             self.workers.drain()  # a broadcast waits for the engines to finish generating
         with _timed(t, "sync"):

@@ -74,9 +74,9 @@ def step(s: Session, last: bool = False) -> dict:
         request(s)
     with t("generate"):
         got = s.buffer.get()
-    staleness = s.handoff.syncs - got.version  # weights versions between sampling and this update
+    staleness = s.handoff.version - got.version  # weights versions between sampling and this update
     stale = scheduling.off_policy or scheduling.partial  # per-token lags to report
-    lag = version_lag(got.batch, s.handoff.syncs, got.version) if stale else {}
+    lag = version_lag(got.batch, s.handoff.version, got.version) if stale else {}
     while scheduling.off_policy and not last and len(s.buffer) < scheduling.max_staleness:
         request(s, ahead=len(s.buffer) + 1)  # generated while this step trains
     batch = got.batch
@@ -119,7 +119,7 @@ def step(s: Session, last: bool = False) -> dict:
 def request(s: Session, ahead: int = 0) -> None:
     """Asks the buffer for the batch of the step ``ahead`` after the one in progress."""
     cursor = s.sampler.state_dict()
-    s.buffer.request(s.sampler.next_batch(), version=s.handoff.syncs, seed=s.plan.sampling.step_seed(s.step + ahead),
+    s.buffer.request(s.sampler.next_batch(), version=s.handoff.version, seed=s.plan.sampling.step_seed(s.step + ahead),
                      cursor=cursor, ahead=ahead)
 
 
@@ -179,6 +179,8 @@ def save(s: Session) -> None:
     faults.point("checkpoint", s.step)
     state = {"step": s.step, "sampler": s.buffer.cursor() or s.sampler.state_dict(), "rng": rng_state(),
              "config": C.to_dict(s.cfg)}
+    if s.buffer.partial is not None and s.buffer.cursor() is None:  # the rows in flight, with their prompts
+        state["in_flight"] = s.buffer.partial.state_dict(s.handoff.version)
     with s.handoff.actor_owned(changes_weights=False):
         s.checkpoints.save(s.step, s.actor.save_checkpoint, state)
 
@@ -196,6 +198,8 @@ def resume(s: Session) -> None:
         return
     s.step = loaded.step
     s.sampler.load_state_dict(loaded.state["sampler"])
+    if s.buffer.partial is not None and "in_flight" in loaded.state:
+        s.buffer.partial.load_state_dict(loaded.state["in_flight"], s.handoff.version)
     set_rng_state(loaded.state["rng"])
     dropped = s.log.truncate(s.step)
     print(f"resumed from {loaded.path} at step {s.step}"

@@ -19,15 +19,16 @@ only its last segment trains and it is never regenerated for its age.
 
 Two halves: ``generate_until`` runs inside an engine's process (``RolloutEngine.generate_partial``;
 behind the router each engine stops at its share of the groups), ``PartialRollouts`` in the
-trainer's, between the buffer and the engines (rollout/buffer.py). A resumed run starts with no
-rows in flight: they are not in the checkpoint.
+trainer's, between the buffer and the engines (rollout/buffer.py). A checkpoint keeps the rows in
+flight and the prompts drawn for them (``state_dict``) when no batch is requested ahead (colocated
+always); with batches requested ahead (disaggregated) a resumed run starts with none in flight.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -168,6 +169,20 @@ class PartialRollouts:
             have = len(self.carried) + len(self.reserve)
         want = self.in_flight - self.target - have
         return self.draw(want) if want > 0 else []
+
+    def state_dict(self, version: int) -> dict:
+        """The groups in flight and the prompts drawn for them, as plain data (a checkpoint's), at
+        weights ``version``: a resumed run counts versions from its own start."""
+        with self._lock:
+            return {"version": version, "reserve": [asdict(s) for s in self.reserve],
+                    "carried": [{"sample": asdict(g.sample), "rows": [asdict(r) for r in g.rows]} for g in self.carried]}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        shift = version - state["version"]
+        with self._lock:
+            self.reserve = [Sample(**s) for s in state["reserve"]]
+            self.carried = [_Group(Sample(**g["sample"]), [_Row(**{**r, "versions": [v + shift for v in r["versions"]]})
+                                                           for r in g["rows"]]) for g in state["carried"]]
 
     def produce(self, fresh: list[Sample], generate: GeneratePartial, seed: Optional[int], version: int,
                 trains_at: int) -> tuple[RolloutBatch, dict[str, float]]:

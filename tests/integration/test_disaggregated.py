@@ -121,12 +121,12 @@ def test_custom_rollout_function_produces_the_batch(session):
     s, w = session, session.workers
     s.buffer.rollout_fn = load_rollout_fn("rollout_fns:hinted_two_passes")
     try:
-        s.buffer.request(s.train_samples[:6], s.handoff.syncs)
+        s.buffer.request(s.train_samples[:6], s.handoff.version)
         got = s.buffer.get()
     finally:
         s.buffer.rollout_fn = None
     b = got.batch
-    assert b.size == 6 * s.cfg.rollout.n and got.version == s.handoff.syncs
+    assert b.size == 6 * s.cfg.rollout.n and got.version == s.handoff.version
     assert (b.tokens[:, 0] == 7).all(), "every prompt got the injected token"
     assert b.response_lens[: 3 * s.cfg.rollout.n].max() <= s.cfg.rollout.max_response_tokens
     assert b.group_ids.tolist() == [i // s.cfg.rollout.n for i in range(b.size)]

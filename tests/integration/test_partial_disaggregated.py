@@ -43,7 +43,7 @@ def trained(session, monkeypatch):
     train_step = s.actor.train_step
 
     def record(batch, *args, **kwargs):
-        seen.append((batch, s.handoff.syncs))
+        seen.append((batch, s.handoff.version))
         return train_step(batch, *args, **kwargs)
 
     monkeypatch.setattr(s.actor, "train_step", record, raising=False)

@@ -10,6 +10,8 @@ import torch
 from colocate_rl import loop
 from colocate_rl.session import start_session
 
+from test_checkpoint import comparable  # noqa: E402 - same folder
+
 from long_tail import long_tail_model  # noqa: E402 - same folder
 from test_loop import planned, tiny_cfg  # noqa: E402
 
@@ -17,14 +19,19 @@ P, N, MAX_TOKENS = 4, 4, 128
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory, tiny_model, even_length_reward):
+def cfg(tmp_path_factory, tiny_model, even_length_reward):
     root = tmp_path_factory.mktemp("partial")
     model = long_tail_model(tiny_model("qwen3-tiny"), root / "long-tail")
     # max_staleness 8: no row is regenerated here (test_partial_buffer.py covers the bound).
-    s = start_session(*planned(tiny_cfg(root, lambda shape: model, **{
+    return tiny_cfg(root, lambda shape: model, **{
         "reward.name": "test_even_length", "actor.lr": "1e-3", "data.prompts_per_step": str(P), "rollout.n": str(N),
         "rollout.max_response_tokens": str(MAX_TOKENS), "rollout.partial.enable": "true",
-        "rollout.partial.over_sample": "4", "rollout.max_staleness": "8"})))
+        "rollout.partial.over_sample": "4", "rollout.max_staleness": "8"})
+
+
+@pytest.fixture(scope="module")
+def session(cfg):
+    s = start_session(*planned(cfg))
     yield s
     s.close()
 
@@ -36,7 +43,7 @@ def trained(session, monkeypatch):
     train_step = s.actor.train_step
 
     def record(batch, *args, **kwargs):
-        seen.append((batch, s.handoff.syncs))
+        seen.append((batch, s.handoff.version))
         return train_step(batch, *args, **kwargs)
 
     monkeypatch.setattr(s.actor, "train_step", record)
@@ -73,7 +80,7 @@ def test_carried_rows_finish_in_a_later_step_from_their_tokens(session, trained)
     carried = [(g.sample.prompt_ids, list(r.tokens), list(r.logprobs), list(r.versions))
                for g in s.buffer.partial.carried for r in g.rows if r.finish is None and r.tokens]
     assert carried, "a step left unfinished rows with tokens"
-    version = s.handoff.syncs
+    version = s.handoff.version
     found = []
     for _ in range(6):
         m = loop.step(s)
@@ -96,3 +103,30 @@ def test_carried_rows_finish_in_a_later_step_from_their_tokens(session, trained)
         assert batch.loss_mask[i, p: p + int(batch.response_lens[i])].all()
     assert m["partial/finished_carried"] > 0 and m["partial/carried_age_max"] >= 1
     assert m["rollout/staleness_max"] >= 1 and m["grad_norm"] > 0
+
+
+def in_flight(s) -> list:
+    """The groups in flight: each row's tokens, logprobs, ages (versions behind the engines') and finish."""
+    return [(list(g.sample.prompt_ids), [(list(r.tokens), list(r.logprobs), [s.handoff.version - v for v in r.versions],
+                                         r.finish) for r in g.rows]) for g in s.buffer.partial.carried]
+
+
+def test_a_resumed_run_continues_the_rows_in_flight(session, cfg):
+    """A checkpoint holds the rows in flight: a run resumed from it has the same rows (their tokens,
+    logprobs and ages) and its next step is the step the uninterrupted run takes."""
+    s = session
+    if not s.buffer.partial.carried:
+        loop.step(s)
+    loop.save(s)
+    saved, at = in_flight(s), s.step
+    assert any(r[0] for _, rows in saved for r in rows), "rows with tokens are in flight"
+    go_on = loop.step(s)
+    resumed = start_session(*planned(cfg))
+    try:
+        loop.resume(resumed)
+        assert resumed.step == at and in_flight(resumed) == saved
+        again = loop.step(resumed)
+    finally:
+        resumed.close()
+    a, b = comparable([{"step": 0, **go_on}])[0], comparable([{"step": 0, **again}])[0]
+    assert a == b and a["partial/finished_carried"] + a["partial/resumed"] > 0, set(a.items()) ^ set(b.items())
