@@ -21,7 +21,7 @@
 # or the next side at 1024, 1 timed step; VERL_ARGS adds options, e.g. --verl-profile=matched; verl's
 # packages come from scripts/verl_bundle.sh's install script, in $VERL_SITE, default /tmp/verl/site),
 # learn-probe, learn-sweep, learn-seeds (benchmarks/learning/learning_at_width.py's stages, LEARN_ARGS for their
-# options), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# options, LEARN_RECIPE and LEARN_PRESET for another preset, e.g. recipes/dsv4_flash_grpo.py learn-mini), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -148,9 +148,9 @@ for group in verl256-pair:256:3:2 verl1024-pair:1024:1:1; do  # the next runs of
 done
 for stage in probe sweep seeds; do  # learning at width: Qwen3-0.6B's shape on 3-digit addition (LEARN_ARGS adds options)
   if run "learn-$stage"; then  # the stages pick from each other through the cache, so they run in one lease
-    python3 benchmarks/learning/learning_at_width.py "$stage" --recipe recipes/qwen3_grpo.py --preset "${LEARN_PRESET:-learn-0.6b}" \
-      --state "$COLOCATE_RL_CACHE/learn" ${LEARN_ARGS:-} 2>&1 | grep -E "^\[|^no |Error" | tee "$out/learn_$stage.log"
-    cp "$COLOCATE_RL_CACHE/learn/results.json" "$out/learn_${LEARN_PRESET:-learn-0.6b}.json" 2>/dev/null || rc=1
+    python3 benchmarks/learning/learning_at_width.py "$stage" --recipe "${LEARN_RECIPE:-recipes/qwen3_grpo.py}" --preset "${LEARN_PRESET:-learn-0.6b}" \
+      --state "$COLOCATE_RL_CACHE/learn/${LEARN_PRESET:-learn-0.6b}" ${LEARN_ARGS:-} 2>&1 | grep -E "^\[|^no |Error" | tee "$out/learn_$stage.log"
+    cp "$COLOCATE_RL_CACHE/learn/${LEARN_PRESET:-learn-0.6b}/results.json" "$out/learn_${LEARN_PRESET:-learn-0.6b}.json" 2>/dev/null || rc=1
   fi
 done
 if run disagg; then  # needs two GPUs
