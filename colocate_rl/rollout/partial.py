@@ -174,8 +174,8 @@ class PartialRollouts:
         """The groups in flight and the prompts drawn for them, as plain data (a checkpoint's), at
         weights ``version``: a resumed run counts versions from its own start."""
         with self._lock:
-            return {"version": version, "reserve": [asdict(s) for s in self.reserve],
-                    "carried": [{"sample": asdict(g.sample), "rows": [asdict(r) for r in g.rows]} for g in self.carried]}
+            carried = [{"sample": asdict(g.sample), "rows": [asdict(r) for r in g.rows]} for g in self.carried]
+            return {"version": version, "reserve": [asdict(s) for s in self.reserve], "carried": carried}
 
     def load_state_dict(self, state: dict, version: int) -> None:
         shift = version - state["version"]
