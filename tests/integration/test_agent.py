@@ -54,7 +54,9 @@ CASES = {
     "7005": ([python("import time\ntime.sleep(3600)"), "hung"], "[stopped: no result within 20 s]"),
     "7006": ([python("while True:\n    print('x' * 4096)"), "flood"], "[stopped: the output passed 8192 bytes]"),
     "7007": ([python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)"), "net"], "[exit code 1]"),
-    "7008": ([python("import os\nwhile True:\n    os.fork()"), "forks"], "Resource temporarily unavailable"),
+    # Each process that cannot fork says why in one write, so any cut of the result keeps it.
+    "7008": ([python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError as e:\n"
+                     "        raise SystemExit(e.strerror)"), "forks"], "Resource temporarily unavailable"),
     "7012": ([python("x = bytearray(10 ** 10)"), "alloc"], "MemoryError"),
 }
 ALWAYS_CALLS = "7009"  # calls a tool in every turn: stopped by rollout.agent.max_turns
