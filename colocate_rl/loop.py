@@ -33,7 +33,7 @@ from colocate_rl.eval import evaluate as run_eval
 from colocate_rl.metrics import PhaseTimer, console_line
 from colocate_rl.plan import RunPlan
 from colocate_rl.rollout.base import EVAL_SEED_OFFSET
-from colocate_rl.rollout.dynamic import refill
+from colocate_rl.rollout.dynamic import informative, refill
 from colocate_rl.rollout.partial import version_lag
 from colocate_rl.session import Session, start_session
 from colocate_rl.types import RolloutBatch
@@ -82,6 +82,8 @@ def step(s: Session, last: bool = False) -> dict:
     batch = got.batch
     with t("reward"):
         batch.rewards, reward_metrics = s.scorer.score(batch)
+    # The share of groups whose rewards differ: only these carry an advantage, hence a gradient.
+    reward_metrics["reward/signal_groups"] = float(informative(batch.rewards, batch.n_per_group).float().mean())
     if scheduling.dynamic_sampling:
         with t("resample"):
             batch, resampled = refill(batch, cfg.data.prompts_per_step, lambda k, r: more(s, k, r),
@@ -152,6 +154,8 @@ def end_step(s: Session, metrics: dict, interrupted: bool, pause: bool = False) 
     s.log.log(s.step, metrics)
     tqdm.write(console_line(s.step, cfg.steps, metrics))
     s.guard.update(metrics, s.step)
+    if line := s.signal.update(metrics, s.step):
+        tqdm.write(line)
     c = cfg.checkpoint
     if (c.every and s.step % c.every == 0) or (c.at_end and s.step == cfg.steps) or (interrupted and c.on_interrupt) \
             or pause:

@@ -34,7 +34,7 @@ from colocate_rl.rollout.partial import PartialRollouts
 from colocate_rl.rollout.engine import stop_ids
 from colocate_rl.tools import SandboxUnavailable, ToolExecutor
 from colocate_rl.tools.chat import ChatFormat
-from colocate_rl.trainer import NonfiniteGuard
+from colocate_rl.trainer import NonfiniteGuard, SignalWatch
 from colocate_rl.types import Sample
 from colocate_rl.workers import Actor, Workers
 
@@ -55,6 +55,7 @@ class Session:
     log: MetricsLog
     checkpoints: CheckpointStore
     guard: NonfiniteGuard
+    signal: SignalWatch  # a warning when no group's rewards differ for a few steps
     turns: Turns  # one turn per row, or conversations with tools (rollout.agent)
     step: int = 0  # steps completed
     started: float = field(default_factory=time.perf_counter)
@@ -118,7 +119,7 @@ def start_session(cfg: C.Config, plan: RunPlan) -> Session:
         train_samples=list(train), eval_sets=eval_sets, scorer=scorer, workers=workers, handoff=handoff,
         buffer=workers.make_buffer(handoff.on_rollout, turns), log=log,
         checkpoints=CheckpointStore(checkpoints, cfg.checkpoint.keep, log=_say),
-        guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row), turns=turns,
+        guard=NonfiniteGuard(cfg.actor.max_nonfinite_in_row), signal=SignalWatch(), turns=turns,
     )
     handoff.step = lambda: s.step + 1  # the step in progress, for fault points and messages
     if plan.scheduling.partial:  # the rows in flight between steps; extra prompts drawn where the step's are

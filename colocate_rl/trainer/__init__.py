@@ -2,6 +2,6 @@
 
 from colocate_rl.trainer.actor import Actor
 from colocate_rl.trainer.distributed import run_on_ranks
-from colocate_rl.trainer.guard import NonfiniteGuard
+from colocate_rl.trainer.guard import NonfiniteGuard, SignalWatch
 
-__all__ = ["Actor", "NonfiniteGuard", "run_on_ranks"]
+__all__ = ["Actor", "NonfiniteGuard", "SignalWatch", "run_on_ranks"]
