@@ -15,7 +15,8 @@ from colocate_rl.plan import resolve
 ROOT = Path(__file__).resolve().parents[1]
 # A preset planned for hardware it names (GPU presets without an accelerator get the default).
 ACCELERATOR = {("dsv4_flash_grpo", "amd-3node"): "mi308x", ("dsv4_flash_grpo", "mini"): "h200",
-               ("dsv4_flash_grpo", "mini-1gpu"): "h200", ("dsv4_flash_grpo", "colocated"): "mi355x",
+               ("dsv4_flash_grpo", "mini-1gpu"): "h200", ("dsv4_flash_grpo", "learn-mini"): "h200",
+               ("dsv4_flash_grpo", "colocated"): "mi355x",
                ("qwen3_grpo", "qwen3-4b-1gpu"): "h100", ("qwen3_grpo", "qwen3-8b-2gpu"): "h200"}
 
 
