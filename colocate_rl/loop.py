@@ -211,6 +211,7 @@ def resume(s: Session) -> None:
 
 
 SFT_WINDOW = 5  # batches whose mean accuracy sft.stop_at_accuracy is held to
+SFT_REPORT = 50  # a console line every this many warm-start steps (a long one is not silent)
 
 
 def warm_start(s: Session) -> dict:
@@ -223,6 +224,9 @@ def warm_start(s: Session) -> dict:
             m = s.actor.sft_step(sft_batch(s.train_samples, s.tokenizer, cfg.sft.batch_size,
                                            seed=cfg.seed * 1_000_003 + i), cfg.sft.lr)
             recent = (recent + [m["exact_total"] / max(m["rows_total"], 1.0)])[-SFT_WINDOW:]
+            if (i + 1) % SFT_REPORT == 0:
+                tqdm.write(f"sft warm-start: step {i + 1}/{cfg.sft.steps}, loss {float(m['loss']):.3f}, accuracy of "
+                           f"the last {len(recent)} batches {sum(recent) / len(recent):.3f}")
             if cfg.sft.stop_at_accuracy and len(recent) == SFT_WINDOW and \
                     sum(recent) / SFT_WINDOW >= cfg.sft.stop_at_accuracy:
                 break

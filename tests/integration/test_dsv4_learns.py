@@ -32,7 +32,7 @@ def tiny_preset():
 
 
 @pytest.mark.slow  # ~2.5 min on 2 shared cores: the preset's 90 warm-start steps, then 50 GRPO steps of 32 x 8
-def test_grpo_raises_held_out_accuracy_beyond_the_warm_start_spread(tmp_path, tiny_model):
+def test_grpo_raises_held_out_accuracy_beyond_the_warm_start_spread(tmp_path, tiny_model, capsys):
     over = {"model.path": str(tiny_model("deepseek-v4-tiny")), "model.synthesize": "''",
             "logging.run_dir": str(tmp_path), "logging.run_name": "t", "logging.wandb_mode": "disabled",
             "logging.progress": "false", "logging.plot": "false", "checkpoint.at_end": "false",
@@ -40,6 +40,8 @@ def test_grpo_raises_held_out_accuracy_beyond_the_warm_start_spread(tmp_path, ti
     cfg = load(tiny_preset(), overrides=[f"{k}={v}" for k, v in over.items()])
     out = loop.run(cfg, resolve(cfg))
     rows = read(tmp_path / "t" / "metrics.jsonl")
+    # Without a progress bar the warm start still says how it goes, every loop.SFT_REPORT steps.
+    assert "sft warm-start: step 50/90, loss " in capsys.readouterr().out
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert out["steps"] == STEPS and sorted(acc) == [0, STEPS]
     assert acc[STEPS] - acc[0] > WARM_START_SPREAD, acc
