@@ -55,6 +55,9 @@ def step_row(m: dict) -> dict:
         **{f"train_rollout_logprob_abs_diff_{k}": m.get(f"train_rollout_logprob_abs_diff_{k}")
            for k in ("p50", "p99", "max", "first")},
         "reward_mean": m.get("reward/mean"), "grad_norm": m.get("grad_norm"), "step_s": m.get("time/step"),
+        # The token IS weights (trainer over sampler probability) and the share of groups that teach.
+        "is_weight_max": m.get("is_weight_max"), "is_clamped_frac": m.get("is_clamped_frac"),
+        "signal_groups": m.get("reward/signal_groups"),
         "phase_s": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"},
         "sync_bytes": m.get("sync/bytes"), "sync_GBps": m.get("sync/GBps"),
         "rollout_tokens_per_s": m.get("rollout/tokens_per_s"), "train_tokens_per_s": m.get("tokens_per_s"),
