@@ -27,7 +27,9 @@ def recipe(name: str):
     return mod
 
 
-def main(extra: list[str]) -> None:
+def blocks(extra: list[str]) -> list[str]:
+    """Each preset's plan as the Markdown block docs/recipes.md shows."""
+    out = []
     for name in ("qwen3_grpo", "qwen3_moe_grpo", "dsv4_flash_grpo"):
         mod = recipe(name)
         for preset in OmegaConf.load(mod.PRESETS):
@@ -40,8 +42,13 @@ def main(extra: list[str]) -> None:
             except ConfigError as e:
                 text = f"error: {e}"
             lines = [ln for ln in text.splitlines() if not ln.startswith("  parts:")]
-            print(f"`recipes/{name}.py preset={preset}`\n```\n" + "\n".join(lines) + "\n```\n")
+            out.append(f"`recipes/{name}.py preset={preset}`\n```\n" + "\n".join(lines) + "\n```\n")
+    return out
 
+
+def main(extra: list[str]) -> None:
+    for block in blocks(extra):
+        print(block)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

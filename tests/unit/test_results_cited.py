@@ -1,7 +1,7 @@
 """Every results file under benchmarks/results/ (archive/ aside) is cited by README.md,
 benchmarks/README.md or a page under docs/, and every results file those cite exists: in results/,
 or in results/archive/ for a run a later one replaced. A citation is a file name that names a
-machine kind (h200, cpu, cuda) or a path under benchmarks/results/; ``{a,b}`` and ``*`` in a cited
+machine kind (h200, h100, cpu, cuda) or a path under benchmarks/results/; ``{a,b}`` and ``*`` in a cited
 name stand for each name they match, as in the shell."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 _NAME = re.compile(r"[\w.\-{},*/]+?\.(?:json|txt|log)\b|[\w.\-/]+_(?:raw|logs)\b")
-_MACHINE = ("h200", "cpu", "cuda")
+_MACHINE = ("h200", "h100", "cpu", "cuda")
 
 
 def _docs(root: Path) -> list[Path]:
