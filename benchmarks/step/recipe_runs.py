@@ -51,9 +51,10 @@ def machine() -> dict:
 def step_row(m: dict) -> dict:
     return {
         "step": m["step"], "train_rollout_logprob_abs_diff": m.get("train_rollout_logprob_abs_diff"),
-        # The gap's distribution over the step's tokens, and the first response token's mean.
+        # The gap's distribution over the step's tokens, the first and last response tokens' means,
+        # and the share of its sum in tokens more than 1 nat apart.
         **{f"train_rollout_logprob_abs_diff_{k}": m.get(f"train_rollout_logprob_abs_diff_{k}")
-           for k in ("p50", "p99", "max", "first")},
+           for k in ("p50", "p99", "max", "first", "last", "tail_share")},
         "reward_mean": m.get("reward/mean"), "grad_norm": m.get("grad_norm"), "step_s": m.get("time/step"),
         # The token IS weights (trainer over sampler probability) and the share of groups that teach.
         "is_weight_max": m.get("is_weight_max"), "is_clamped_frac": m.get("is_clamped_frac"),

@@ -29,6 +29,7 @@ from colocate_rl.algorithms.terms import (
     first_token_mask,
     gap_histogram,
     histogram_quantile,
+    last_token_mask,
     logprob_abs_diff,
     masked_mean,
 )
@@ -121,12 +122,16 @@ def policy_loss(
         gap = (old_logprobs - rollout_logprobs).abs()
         metrics["train_rollout_logprob_abs_diff_max"] = (torch.where(mask, gap, 0).max() if mask.numel()
                                                          else is_raw.new_zeros(()))
-        # Summed over the step, not averaged (see gap_summary): the histogram, and the first
-        # response token's gap beside the count of rows.
+        # Summed over the step, not averaged (see gap_summary): the histogram, the first and last
+        # response tokens' gaps beside the count of rows, and the part of the gap in tokens more
+        # than 1 nat apart beside the whole.
         metrics["train_rollout_logprob_abs_diff_hist"] = gap_histogram(gap, mask)
         first = first_token_mask(mask)
         metrics["train_rollout_logprob_abs_diff_first_total"] = torch.where(first, gap, 0).sum()
+        metrics["train_rollout_logprob_abs_diff_last_total"] = torch.where(last_token_mask(mask), gap, 0).sum()
         metrics["first_tokens_total"] = first.sum()
+        metrics["train_rollout_logprob_abs_diff_over1_total"] = torch.where(mask & (gap > 1), gap, 0).sum()
+        metrics["train_rollout_logprob_abs_diff_sum_total"] = torch.where(mask, gap, 0).sum()
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach(), mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
@@ -134,14 +139,21 @@ def policy_loss(
 
 def gap_summary(step: dict) -> dict:
     """A step's reduced metrics with the gap's summed parts (policy_loss's '_hist' and '_total'
-    entries) replaced by floats: train_rollout_logprob_abs_diff_p50 / _p99 and _first."""
+    entries) replaced by floats: train_rollout_logprob_abs_diff_p50 / _p99, _first and _last (per
+    row), and _tail_share (the share of the gap's sum in tokens more than 1 nat apart)."""
+    key = "train_rollout_logprob_abs_diff"
     out = dict(step)
-    hist = out.pop("train_rollout_logprob_abs_diff_hist", None)
-    first = out.pop("train_rollout_logprob_abs_diff_first_total", None)
+    hist = out.pop(f"{key}_hist", None)
+    first, last = out.pop(f"{key}_first_total", None), out.pop(f"{key}_last_total", None)
+    over1, total = out.pop(f"{key}_over1_total", None), out.pop(f"{key}_sum_total", None)
     rows = out.pop("first_tokens_total", None)
     if hist is not None:
-        out["train_rollout_logprob_abs_diff_p50"] = histogram_quantile(hist, 0.5)
-        out["train_rollout_logprob_abs_diff_p99"] = histogram_quantile(hist, 0.99)
+        out[f"{key}_p50"] = histogram_quantile(hist, 0.5)
+        out[f"{key}_p99"] = histogram_quantile(hist, 0.99)
     if first is not None and rows:
-        out["train_rollout_logprob_abs_diff_first"] = float(first) / float(rows)
+        out[f"{key}_first"] = float(first) / float(rows)
+    if last is not None and rows:
+        out[f"{key}_last"] = float(last) / float(rows)
+    if over1 is not None and total:
+        out[f"{key}_tail_share"] = float(over1) / float(total)
     return out

@@ -78,6 +78,11 @@ def first_token_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask & (mask.cumsum(1) == 1)
 
 
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, T] bool → [B, T] bool: each row's last masked token (its EOS where it finished)."""
+    return mask & (mask.flip(1).cumsum(1).flip(1) == 1)
+
+
 # ---------------------------------------------------------------- KL to a reference policy
 
 

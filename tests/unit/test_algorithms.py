@@ -210,18 +210,21 @@ def test_logprob_gap_max_is_the_largest_masked_token():
 def test_gap_quantiles_and_first_token_add_up_over_micro_batches():
     """The gap's p50/p99 come from token counts per log-spaced bin, which sum over micro-batches and
     ranks: the step's quantiles are those of all its tokens (within a bin, ±7.5%), exact zeros give
-    0, and the first response token's gap is the mean over rows, whichever micro-batch held them."""
+    0; the first and last response tokens' gaps are means over rows and the tail share a ratio of
+    sums, whichever micro-batch held them."""
     from colocate_rl.algorithms import gap_summary
-    from colocate_rl.algorithms.terms import first_token_mask, gap_histogram, histogram_quantile
+    from colocate_rl.algorithms.terms import first_token_mask, gap_histogram, histogram_quantile, last_token_mask
 
     g = torch.Generator().manual_seed(0)
-    gap = torch.rand(6, 40, generator=g, dtype=torch.float64).pow(4) * 0.5  # skewed, like a real gap
+    gap = torch.rand(6, 40, generator=g, dtype=torch.float64).pow(4) * 2  # skewed, like a real gap
     lens = torch.tensor([40, 31, 7, 22, 40, 15])
     start = torch.tensor([3, 0, 5, 1, 0, 9])  # the prompt's end: the response starts there
     pos = torch.arange(40)[None, :]
     mask = (pos >= start[:, None]) & (pos < lens[:, None])
     first = first_token_mask(mask)
     assert first.sum(1).tolist() == [1] * 6 and bool((first.int().argmax(1) == start).all())
+    last = last_token_mask(mask)
+    assert last.sum(1).tolist() == [1] * 6 and bool((last.int().argmax(1) == lens - 1).all())
     hist = sum(gap_histogram(gap[s], mask[s]) for s in (slice(0, 2), slice(2, 5), slice(5, 6)))
     assert torch.equal(hist, gap_histogram(gap, mask)) and int(hist.sum()) == int(mask.sum())
     tokens = gap[mask]
@@ -236,9 +239,15 @@ def test_gap_quantiles_and_first_token_add_up_over_micro_batches():
                          dtype=torch.float64), mask[s], _cfg())[1] for s in (slice(0, 2), slice(2, 6))]
     summed = {k: sum(m[k] for m in steps) for k in ("train_rollout_logprob_abs_diff_hist",
                                                      "train_rollout_logprob_abs_diff_first_total",
+                                                     "train_rollout_logprob_abs_diff_last_total",
+                                                     "train_rollout_logprob_abs_diff_over1_total",
+                                                     "train_rollout_logprob_abs_diff_sum_total",
                                                      "first_tokens_total")}
     out = gap_summary({"loss": 1.0, **summed})
-    assert set(out) == {"loss", "train_rollout_logprob_abs_diff_p50", "train_rollout_logprob_abs_diff_p99",
-                        "train_rollout_logprob_abs_diff_first"}
+    assert set(out) == {"loss", *(f"train_rollout_logprob_abs_diff_{k}" for k in ("p50", "p99", "first", "last",
+                                                                                  "tail_share"))}
     assert out["train_rollout_logprob_abs_diff_first"] == pytest.approx(float(gap[first].mean()))
+    assert out["train_rollout_logprob_abs_diff_last"] == pytest.approx(float(gap[last].mean()))
+    assert 0 < (tokens > 1).sum() < tokens.numel()  # the tail share is neither nothing nor everything
+    assert out["train_rollout_logprob_abs_diff_tail_share"] == pytest.approx(float(tokens[tokens > 1].sum() / tokens.sum()))
     assert out["train_rollout_logprob_abs_diff_p50"] == pytest.approx(histogram_quantile(hist, 0.5))
