@@ -246,7 +246,8 @@ def test_every_loss_logs_the_same_metrics(name):
     assert sorted(m) == sorted(["clip_frac", "is_weight_mean", "is_weight_max", "is_clamped_frac", "approx_kl",
                                 "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max", "kl_ref",
                                 "entropy", "train_rollout_logprob_abs_diff_hist",
-                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total"])
+                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total",
+                                *(f"train_rollout_logprob_abs_diff_{k}_total" for k in ("last", "over1", "sum"))])
     hist = m.pop("train_rollout_logprob_abs_diff_hist")
     assert hist.shape == (162,) and int(hist.sum()) == int(mask.sum())
     assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
@@ -339,6 +340,7 @@ def test_ppo_clip_is_bit_identical_to_the_loss_before_the_registry(seed, dtype):
                     out += [loss.detach(), x.grad, m]
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
                 logged_since = ["train_rollout_logprob_abs_diff_max", "train_rollout_logprob_abs_diff_hist",
-                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total"]
+                                "train_rollout_logprob_abs_diff_first_total", "first_tokens_total",
+                                *(f"train_rollout_logprob_abs_diff_{k}_total" for k in ("last", "over1", "sum"))]
                 assert sorted(got[2]) == sorted([*want[2], *logged_since])
                 assert all(torch.equal(got[2][k], want[2][k]) for k in want[2]), (agg, is_clamp, kl_coef)
