@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATOR = {("dsv4_flash_grpo", "amd-3node"): "mi308x", ("dsv4_flash_grpo", "mini"): "h200",
                ("dsv4_flash_grpo", "mini-1gpu"): "h200", ("dsv4_flash_grpo", "learn-mini"): "h200",
                ("dsv4_flash_grpo", "colocated"): "mi355x",
-               ("qwen3_grpo", "qwen3-4b-1gpu"): "h100", ("qwen3_grpo", "qwen3-8b-2gpu"): "h200"}
+               ("qwen3_grpo", "qwen3-4b-1gpu"): "h100", ("qwen3_grpo", "qwen3-8b-2gpu"): "h200",
+               ("qwen3_grpo", "learn-4b"): "h200", ("qwen3_moe_grpo", "learn-30b-a3b"): "h200"}
 
 
 def recipe(name: str):
