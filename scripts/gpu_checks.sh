@@ -21,7 +21,8 @@
 # or the next side at 1024, 1 timed step; VERL_ARGS adds options, e.g. --verl-profile=matched; verl's
 # packages come from scripts/verl_bundle.sh's install script, in $VERL_SITE, default /tmp/verl/site),
 # learn-probe, learn-sweep, learn-seeds (benchmarks/learning/learning_at_width.py's stages, LEARN_ARGS for their
-# options, LEARN_RECIPE and LEARN_PRESET for another preset, e.g. recipes/dsv4_flash_grpo.py learn-mini), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
+# options, LEARN_RECIPE and LEARN_PRESET for another preset, e.g. recipes/dsv4_flash_grpo.py learn-mini), partial
+# (benchmarks/step/partial_gpu.py: partial rollouts against whole batches on long-tailed answers, alternating runs), disagg, dsv4, dsv4-fp8 (the mini preset's step-1 gap without and with actor.emulate_rollout_fp8).
 # Each group fits one 10-minute command of the lent GPU machine (dsv4 ones once the JIT caches are warm).
 set -uo pipefail
 out="${1:-gpu-results}"; what="${2:-all}"
@@ -153,6 +154,11 @@ for stage in probe sweep seeds; do  # learning at width: Qwen3-0.6B's shape on 3
     cp "$COLOCATE_RL_CACHE/learn/${LEARN_PRESET:-learn-0.6b}/results.json" "$out/learn_${LEARN_PRESET:-learn-0.6b}.json" 2>/dev/null || rc=1
   fi
 done
+if run partial; then  # Qwen3-0.6B's shape, answers long-tailed by construction; PARTIAL_ARGS adds options
+  python3 benchmarks/step/partial_gpu.py --out "$out/partial_rollouts.json" --pairs 2 --tokens 2048 --steps 5 ${PARTIAL_ARGS:-} \
+    > "$out/partial.log" 2>&1 || rc=1
+  grep -E "^off_|^on_|^step_s_ratio|Error" "$out/partial.log" | tail -10
+fi
 if run disagg; then  # needs two GPUs
   python3 benchmarks/step/disagg_gpu.py --out "$out/disagg.json" 2>&1 | tee "$out/disagg.log" | grep -vE "INFO|^\(" | tail -40 || rc=1
 fi

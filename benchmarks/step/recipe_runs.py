@@ -63,8 +63,9 @@ def step_row(m: dict) -> dict:
         "sync_bytes": m.get("sync/bytes"), "sync_GBps": m.get("sync/GBps"),
         "rollout_tokens_per_s": m.get("rollout/tokens_per_s"), "train_tokens_per_s": m.get("tokens_per_s"),
         "response_tokens": m.get("rollout/response_len"),
-        # Learning: held-out accuracy on the steps that ran an eval, the warm start on step 0.
-        **{k: v for k, v in m.items() if k.startswith(("eval/", "sft/"))},
+        # Learning: held-out accuracy on the steps that ran an eval, the warm start on step 0; partial
+        # rollouts' counts (groups trained, rows carried, tokens generated) where they ran.
+        **{k: v for k, v in m.items() if k.startswith(("eval/", "sft/", "partial/"))},
     }
 
 

@@ -1,7 +1,7 @@
 """Asynchronous training with a staleness bound, disaggregated on CPU through Ray: the actor in
 one process, two vLLM engines in theirs, weights broadcast. rollout.max_staleness=k keeps k
 batches requested ahead; with partial rollouts (each engine stops at its share of the groups) no
-token the loss trains on lags more than k versions. The long-tailed model of long_tail.py makes
+token the loss trains on lags more than k versions. The long-tailed model of models/long_tail.py makes
 rows carry over; versions are asserted on the batches the actor receives."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 
 from colocate_rl import loop
+from colocate_rl.models.long_tail import long_tail_model
 from colocate_rl.session import start_session
 
-from long_tail import long_tail_model  # noqa: E402 - same folder
 from test_loop import planned, tiny_cfg  # noqa: E402
 
 ray = pytest.importorskip("ray")

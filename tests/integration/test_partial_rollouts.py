@@ -1,5 +1,5 @@
 """Partial rollouts, colocated, with the real vLLM engine and Megatron actor on a long-tailed tiny
-model (long_tail.py): a step stops at data.prompts_per_step complete groups, aborts the rest, and a
+model (colocate_rl/models/long_tail.py): a step stops at data.prompts_per_step complete groups, aborts the rest, and a
 later step continues those rows from their tokens. Tokens are counted, never seconds."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from colocate_rl import loop
+from colocate_rl.models.long_tail import long_tail_model
 from colocate_rl.session import start_session
 
 from test_checkpoint import comparable  # noqa: E402 - same folder
 
-from long_tail import long_tail_model  # noqa: E402 - same folder
 from test_loop import planned, tiny_cfg  # noqa: E402
 
 P, N, MAX_TOKENS = 4, 4, 128

@@ -1,4 +1,6 @@
-"""A tiny Qwen3 whose answers are long-tailed by construction, for the partial-rollout tests.
+"""A Qwen3 whose answers are long-tailed by construction, for partial rollouts' tests and their
+GPU benchmark (benchmarks/step/partial_gpu.py): any Qwen3 model folder written with the tiny
+tokenizer (models/tiny.py), at any width, becomes one.
 
 Its attention and MLP write nothing (o_proj and down_proj are zero), so each next token depends on
 the current token alone, through the embedding and lm_head written here. Every token but the loop
@@ -23,11 +25,14 @@ LOOP, STOP = range(100, 116), range(200, 240)
 WORDS = 300  # the tiny tokenizer's tokens; the ids above it are never sampled
 
 
-def long_tail_model(tiny: Path, dst: Path, stop: float = 0.3, enter: float = 0.02) -> Path:
-    """A copy of the tiny model folder ``tiny`` at ``dst`` with the weights described above."""
-    shutil.copytree(tiny, dst, dirs_exist_ok=True)
-    w = load_file(tiny / "model.safetensors")
-    vocab, hidden = w["lm_head.weight"].shape
+def long_tail_model(src: Path, dst: Path, stop: float = 0.3, enter: float = 0.02) -> Path:
+    """A copy of the model folder ``src`` at ``dst`` with the weights described above (untied:
+    the embedding and the head differ)."""
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+    w = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    vocab, hidden = w["model.embed_tokens.weight"].shape
+    dtype = w["model.embed_tokens.weight"].dtype
     basis, _ = torch.linalg.qr(torch.randn(hidden, 2, generator=torch.Generator().manual_seed(0)))
     word, loop = basis[:, 0], basis[:, 1]  # orthonormal; the final norm scales either to sqrt(hidden)
     emb = word.repeat(vocab, 1)
@@ -44,8 +49,11 @@ def long_tail_model(tiny: Path, dst: Path, stop: float = 0.3, enter: float = 0.0
     head[list(STOP)] = word * math.log(stop * z / len(STOP)) / scale
     head[list(LOOP)] = word * math.log(enter * z / len(LOOP)) / scale + loop * 20 / scale
     head[WORDS:] = -(word + loop) * 80 / scale
-    w["lm_head.weight"] = head
+    w["lm_head.weight"] = head.to(dtype)
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"].to(dtype)
     save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=1))
     config = json.loads((dst / "generation_config.json").read_text())
     (dst / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": list(STOP)}))
     return dst
