@@ -73,9 +73,10 @@ class TransformersRollout:
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._gen)))
             ids = torch.tensor([list(s.prompt_ids)] * n)
             out = self.model.generate(
+                # Greedy (temperature 0) takes no sampling flags: transformers warns on each one given.
                 ids, attention_mask=torch.ones_like(ids), do_sample=temp > 0, temperature=temp if temp > 0 else None,
-                top_p=top_p if temp > 0 else None, top_k=r.top_k, max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
-                pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True,
+                top_p=top_p if temp > 0 else None, top_k=r.top_k if temp > 0 else None, max_new_tokens=max_tokens,
+                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True,
             )
             new = out.sequences[:, ids.shape[1]:]
             lp = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # [n, steps, V]
