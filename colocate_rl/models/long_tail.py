@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from colocate_rl.private import private_dir, seal
+
 LOOP, STOP = range(100, 116), range(200, 240)
 WORDS = 300  # the tiny tokenizer's tokens; the ids above it are never sampled
 
@@ -28,7 +30,7 @@ WORDS = 300  # the tiny tokenizer's tokens; the ids above it are never sampled
 def long_tail_model(src: Path, dst: Path, stop: float = 0.3, enter: float = 0.02) -> Path:
     """A copy of the model folder ``src`` at ``dst`` with the weights described above (untied:
     the embedding and the head differ)."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), private_dir(dst)
     shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
     w = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
     vocab, hidden = w["model.embed_tokens.weight"].shape
@@ -56,4 +58,5 @@ def long_tail_model(src: Path, dst: Path, stop: float = 0.3, enter: float = 0.02
     (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=1))
     config = json.loads((dst / "generation_config.json").read_text())
     (dst / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": list(STOP)}))
+    seal(dst)  # the user's alone, as every model folder the project writes
     return dst
