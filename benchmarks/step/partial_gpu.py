@@ -79,14 +79,14 @@ def main() -> None:
 
     result = json.loads(Path(args.out).read_text())
     result["benchmark"] = " ".join(["python", "benchmarks/step/partial_gpu.py", *sys.argv[1:]])
-    result["summary"] = {name: summary(run, args.prompts, args.n) for name, run in result["runs"].items()}
-    ratios = [result["summary"][f"off_{i}"]["step_s_median"] / result["summary"][f"on_{i}"]["step_s_median"]
-              for i in range(1, args.pairs + 1)
-              if result["summary"][f"off_{i}"].get("steps") and result["summary"][f"on_{i}"].get("steps")]
-    result["summary"]["step_s_ratio_off_over_on"] = ratios
+    summ = result["summary"] = {name: summary(run, args.prompts, args.n) for name, run in result["runs"].items()}
+    done = [i for i in range(1, args.pairs + 1)  # pairs whose two runs both stepped (a cut run has none)
+            if summ.get(f"off_{i}", {}).get("steps") and summ.get(f"on_{i}", {}).get("steps")]
+    summ["step_s_ratio_off_over_on"] = [summ[f"off_{i}"]["step_s_median"] / summ[f"on_{i}"]["step_s_median"]
+                                        for i in done]
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    for name, s in result["summary"].items():
-        print(f"{name}: {s}")
+    for name, row in summ.items():
+        print(f"{name}: {row}")
 
 
 if __name__ == "__main__":
