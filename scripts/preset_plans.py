@@ -51,5 +51,6 @@ def main(extra: list[str]) -> None:
     for block in blocks(extra):
         print(block)
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,8 +1,9 @@
 """The resume path at width: `recipes/qwen3_grpo.py preset=learn-0.6b` (Qwen3-0.6B's shape, bf16)
 run in one piece and in two (stop_after=3, then the same command again from its step-3
-checkpoint). The pieces continue the curve: the data cursor and RNG give the same prompts and
-lengths, and the final weights sit where the uninterrupted run's are, far closer than a resume that
-lost the optimizer state would put them. Prints each checkpoint's size on disk (run with -s)."""
+checkpoint). The pieces continue the curve: the data cursor at step 5 is the uninterrupted run's,
+and the final weights lie within half the distance steps 4-5 moved them (bf16 GPU kernels are not
+bit-reproducible, so not bit for bit). Prints the distances, the rewards and a checkpoint's size on
+disk (run with -s)."""
 
 from __future__ import annotations
 
