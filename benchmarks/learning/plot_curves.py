@@ -3,7 +3,7 @@ held-out accuracy, train reward and the trainer/sampler logprob gap per run grou
 ``<group>_<seed>``), the mean over the seeds that reached a step, with their range.
 
     python benchmarks/learning/plot_curves.py                     # exact mode off vs on → docs/exact_curves.png
-    python benchmarks/learning/plot_curves.py RESULTS.json OUT.png [STAGE]   # STAGE: of a learning_at_width file
+    python benchmarks/learning/plot_curves.py RESULTS.json OUT.png [STAGE,...]   # stages of a learning_at_width file
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
 def main(results: Path, out: Path, stage: str = "") -> None:
     data = json.loads(results.read_text())
     groups: dict[str, list[dict]] = defaultdict(list)
-    for name, run in (data["stages"][stage] if stage else data["runs"]).items():
+    runs = {k: v for st in stage.split(",") for k, v in data["stages"][st].items()} if stage else data["runs"]
+    for name, run in runs.items():
         groups[name.rsplit("_", 1)[0]].append(run)
     fig, (acc_ax, reward_ax, gap_ax) = plt.subplots(1, 3, figsize=(15, 4))
     for group, runs in groups.items():
@@ -58,9 +59,10 @@ def main(results: Path, out: Path, stage: str = "") -> None:
     for ax in (acc_ax, reward_ax, gap_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    machine = data.get("machine", {})
-    where = machine.get("gpu") or f"{machine.get('cpus', '?')} CPUs"
-    fig.suptitle(f"{results.name}{' ' + stage if stage else ''}: {where}", fontsize=9)
+    def where(st: str) -> str:  # a stage run elsewhere names its machine as machine_<stage>
+        m = data.get(f"machine_{st}", data.get("machine", {}))
+        return f"{st + ' on ' if st else ''}{m.get('gpu') or str(m.get('cpus', '?')) + ' CPUs'}"
+    fig.suptitle(f"{results.name}: {'; '.join(map(where, stage.split(',')))}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     print(f"wrote {out}")
