@@ -13,8 +13,8 @@ stages that each pick from the one before, so the whole search fits a few comman
     python benchmarks/learning/learning_at_width.py seeds ... --seeds 1,2,3 --variant mul="data.arithmetic.ops=*"
 
 Each seed gets its own random weights (model.path per seed, written once before the runs start).
-``--state`` holds every run's folder and ``results.json``: each run's command, exit code, wall
-time, its steps' metrics (recipe_runs.py's rows: gap, phases, sync) and its held-out accuracy per
+``--state`` holds every run's folder and ``results.json``: each run's command, exit code (a run
+that failed is run again by the next command), wall time, its steps' metrics (recipe_runs.py's rows: gap, phases, sync) and its held-out accuracy per
 eval, plus what each stage picked. A stage reads the folder, so the stages can run in separate
 commands on the same machine.
 """
@@ -88,7 +88,10 @@ def summarize(run: dict) -> dict:
 
 def execute(args, res: dict, runs: dict[str, list[str]]) -> None:
     """Runs ``{name: overrides}`` of the recipe, --parallel at a time; each run's result as it ends."""
-    todo, live = [(n, o) for n, o in runs.items() if n not in res["runs"]], {}
+    done = {n for n, r in res["runs"].items() if r["exit_code"] == 0}  # a failed run is run again
+    for name in done & set(runs):
+        print(f"[{name}] done earlier: {res['runs'][name]['summary']}", flush=True)
+    todo, live = [(n, o) for n, o in runs.items() if n not in done], {}
     while todo or live:
         while todo and len(live) < args.parallel:
             name, over = todo.pop(0)
