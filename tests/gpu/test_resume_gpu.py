@@ -1,8 +1,9 @@
 """The resume path at width: `recipes/qwen3_grpo.py preset=learn-0.6b` (Qwen3-0.6B's shape, bf16)
 run in one piece and in two (stop_after=3, then the same command again from its step-3
 checkpoint). The pieces continue the curve: the data cursor at step 5 is the uninterrupted run's,
-and the final weights lie within half the distance steps 4-5 moved them (bf16 GPU kernels are not
-bit-reproducible, so not bit for bit). Prints the distances, the rewards and a checkpoint's size on
+and the final weights lie within half the distance steps 4-5 moved them (bf16 GPU kernels need not
+be bit-reproducible; on one H100 they were, distance 0: benchmarks/results/resume_gpu_h100.json).
+Prints the distances, the rewards and a checkpoint's size on
 disk (run with -s)."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def command(run_dir: Path, model: Path, name: str, **over: str) -> list[str]:
     args = {"model.path": str(model), "logging.run_dir": str(run_dir), "logging.run_name": name,
             "logging.wandb_mode": "disabled", "logging.progress": "false", "logging.plot": "false",
-            "sft.steps": "0", "reward.name": "fault_rewards:even_length",
+            "sft.steps": "150", "reward.name": "fault_rewards:even_length",
             "data.prompts_per_step": "16", "rollout.n": "8",
             "rollout.gpu_memory_utilization": "0.08", "steps": "5", "eval.every": "0",
             "checkpoint.every": "3", "checkpoint.keep": "2", **over}
@@ -35,7 +36,8 @@ def command(run_dir: Path, model: Path, name: str, **over: str) -> list[str]:
 
 
 def run(cmds: list[list[str]], logs: list[Path]) -> list[str]:
-    # fault_rewards' even_length varies within every group of a random model: every step moves the weights.
+    # Random weights sample ids past the tiny BPE's vocabulary, which decode to "" (reward 1.0 for all,
+    # no gradient); 150 warm-start steps make them write digits, whose lengths vary within each group.
     path = os.pathsep.join([str(ROOT / "tests/integration"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
