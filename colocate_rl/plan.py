@@ -17,14 +17,14 @@ import importlib.metadata
 import importlib.util
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Optional
 
 from colocate_rl import platform
 from colocate_rl.config import Config, ConfigError, RolloutConfig, SyncConfig
 from colocate_rl.errors import first_line
-from colocate_rl.memory import ACCELERATORS, MemoryPlan, plan_error, plan_memory
+from colocate_rl.memory import ACCELERATORS, GiB, MemoryPlan, plan_error, plan_memory
 from colocate_rl.models.registry import ModelSize, family_for, model_size, moe_routing
 from colocate_rl.models.tiny import known_config, shape_config
 from colocate_rl.placement import base as placements
@@ -393,6 +393,15 @@ def _model_size(hf: dict) -> ModelSize:
 # ---------------------------------------------------------------- the actor's kernels
 
 
+def host_adam_hint(alt: MemoryPlan) -> str:
+    """What a does-not-fit line offers to set: '; actor.optimizer_cpu_offload=true fits ...' where
+    ``alt``, the plan with Adam's state on the host, fits ('' otherwise)."""
+    if alt.overflow() is not None:
+        return ""
+    return (f"; actor.optimizer_cpu_offload=true fits (Adam's state in host memory: "
+            f"{alt.host_per_node / GiB:.0f} GiB a node)")
+
+
 def kernels(cfg: Config, lay: Layout, hf: dict, size: Optional[ModelSize], launcher: str) -> tuple[Kernels, str]:
     """actor.fp32_residual and the actor.*_kernel settings resolved for this run, and why the experts
     run one by one where auto would have grouped them ('' otherwise)."""
@@ -484,12 +493,16 @@ def resolve(cfg: Config, strict: bool = True) -> RunPlan:
     device, capacity = device_summary(cfg, lay)
     chosen, experts_note = kernels(cfg, lay, hf, size, launcher)
     row_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
-    memory = plan_memory(cfg.model, cfg.actor, engine, lay, size, capacity, chosen, row_tokens=row_tokens,
-                         reference=cfg.algorithm.kl_coef > 0, bucket_mb=cfg.sync.bucket_mb) if size else \
+    plan_for = partial(plan_memory, cfg.model, r=engine, layout=lay, size=size, capacity=capacity, kernels=chosen,
+                       row_tokens=row_tokens, reference=cfg.algorithm.kl_coef > 0, bucket_mb=cfg.sync.bucket_mb)
+    memory = plan_for(a=cfg.actor) if size else \
         MemoryPlan(colocated=lay.colocated, notes=["model config unknown: no plan"])
     if capacity and cfg.placement.accelerator == "auto" and platform.machine_gpus():
         memory.host_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this node's
-    err = plan_error(memory, f"{cfg.preset or 'this run'} does not fit") or memory.host_error()
+    err = plan_error(memory, f"{cfg.preset or 'this run'} does not fit")
+    if err and size and not cfg.actor.optimizer_cpu_offload:
+        err += host_adam_hint(plan_for(a=replace(cfg.actor, optimizer_cpu_offload=True)))
+    err = err or memory.host_error()
     if err:
         if strict:
             raise ConfigError(err)

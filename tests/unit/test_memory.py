@@ -261,3 +261,19 @@ def test_the_sync_counts_a_bucket_and_what_the_export_gathers():
             assert one == two == bucket + largest > bucket + RUN_BYTES, model
         else:
             assert one < bucket + RUN_BYTES == two, model
+
+
+def test_a_plan_that_fits_only_with_host_adam_says_so():
+    """Qwen3-4B's step on one H100 needs 82 GiB with Adam's state on the card: the line that stops the
+    run offers actor.optimizer_cpu_offload, which fits; where that would not fit either, it offers nothing."""
+    def problems(accelerator: str, **over) -> list[str]:
+        over = {"placement.gpus_per_node": 1, "model.dtype": "bfloat16", "placement.accelerator": accelerator, **over}
+        cfg = load(Config(model=ModelConfig(path="Qwen/Qwen3-4B")), overrides=[f"{k}={v}" for k, v in over.items()])
+        return resolve(cfg, strict=False).problems
+
+    tight, = problems("h100")
+    assert "phase 'actor'" in tight and tight.endswith("actor.optimizer_cpu_offload=true fits (Adam's state in "
+                                                       "host memory: 45 GiB a node)"), tight
+    assert problems("h100", **{"actor.optimizer_cpu_offload": True}) == []
+    hopeless, = problems("h100", **{"rollout.gpu_memory_utilization": 0.9})
+    assert "optimizer_cpu_offload" not in hopeless, hopeless
