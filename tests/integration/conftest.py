@@ -27,3 +27,17 @@ def even_length_reward():
 
     yield "test_even_length"
     REWARDS.pop("test_even_length", None)
+
+
+@pytest.fixture
+def trained(session, monkeypatch):
+    """The batches the module's ``session`` actor trains, each with the weights version it trains at."""
+    s, seen = session, []
+    train_step = s.actor.train_step
+
+    def record(batch, *args, **kwargs):
+        seen.append((batch, s.handoff.version))
+        return train_step(batch, *args, **kwargs)
+
+    monkeypatch.setattr(s.actor, "train_step", record, raising=False)
+    return seen

@@ -36,20 +36,6 @@ def session(tmp_path_factory, tiny_model, even_length_reward):
     ray.shutdown()
 
 
-@pytest.fixture
-def trained(session, monkeypatch):
-    """(batch, the weights version the actor trains it at) for every train_step of the test."""
-    s, seen = session, []
-    train_step = s.actor.train_step
-
-    def record(batch, *args, **kwargs):
-        seen.append((batch, s.handoff.version))
-        return train_step(batch, *args, **kwargs)
-
-    monkeypatch.setattr(s.actor, "train_step", record, raising=False)
-    return seen
-
-
 def run(s, steps: int) -> list[dict]:
     """Steps as loop.run runs them (nothing requested ahead at the last), then the batches still
     queued are taken, so the next test starts from an empty buffer."""

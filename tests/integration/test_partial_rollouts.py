@@ -36,20 +36,6 @@ def session(cfg):
     s.close()
 
 
-@pytest.fixture
-def trained(session, monkeypatch):
-    """The batches the real actor trains, with the weights version it trains them at."""
-    s, seen = session, []
-    train_step = s.actor.train_step
-
-    def record(batch, *args, **kwargs):
-        seen.append((batch, s.handoff.version))
-        return train_step(batch, *args, **kwargs)
-
-    monkeypatch.setattr(s.actor, "train_step", record)
-    return seen
-
-
 def test_a_long_tailed_step_generates_fewer_tokens_than_the_whole_batch(session, trained):
     """Step 1 against generate() of the same prompts with the same seed and weights (what the step
     would run without partial rollouts): the groups both finish are the same, token for token."""
