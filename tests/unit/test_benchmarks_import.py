@@ -10,6 +10,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,16 @@ LOADED_BY_PEER = {"benchmarks/peers/verl_reward.py": "compute_score"}  # verl ca
 # Where a script's own imports resolve, besides the package: its folder (as `python script.py`
 # puts it on sys.path) and the folders the scripts add themselves.
 LOCAL_ROOTS = (ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "gpu")
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """A script may set variables for its own process as it imports (exact_ops_gpu.py turns on
+    vLLM's batch-invariant mode): the tests after it, in this process, must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def rel(script: Path) -> str:
