@@ -32,6 +32,10 @@ class ModelConfig:
     # shape's first L layers (a real width on fewer GPUs).
     synthesize: str = ""
     trust_remote_code: bool = False
+    # The output layer's precision on both sides: model (the model dtype) or float32 (vLLM's
+    # head_dtype; the actor's output layer takes fp32 operands). 16-bit logits round to a grid as
+    # coarse as 0.125 at |logit| 16, where two GEMMs' sums can land a step apart (docs/performance.md).
+    head_dtype: str = "model"
 
 
 @dataclass
@@ -542,6 +546,7 @@ def print_config(cfg: Config) -> None:
 # model family) are checked against the registry itself, in colocate_rl.plan, before anything loads.
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.head_dtype": ("model", "float32"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "actor.offload": ("auto", "all", "none"),
     "actor.logprob_kernel": ("auto", "fused", "chunked"),

@@ -191,7 +191,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
                      sequence_parallel: bool = False, residual_bytes: int = 0,
-                     fused: bool = False) -> tuple[int, int]:
+                     fused: bool = False, fp32_head: bool = False) -> tuple[int, int]:
     """(one decoder layer, output head + loss): bytes the training forward of ``tokens`` tokens keeps
     for its backward on one tensor-parallel rank, without recompute (``size``: the model's
     models.registry.ModelSize; ``element_bytes``: the model dtype's; ``residual_bytes``: the
@@ -208,7 +208,8 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
     Another family's layer takes Korthikanti et al.'s ~34 bytes per token and hidden unit. The head
     keeps the logits (trainer/logprobs.py) and, in the backward, their gradient, both in the model
     dtype, plus, unless the logprobs are ``fused``, two chunks of fp32 temporaries (of at most
-    CHUNK_ELEMENTS each)."""
+    CHUNK_ELEMENTS each). ``fp32_head`` (model.head_dtype=float32): fp32 logits and gradient, and the
+    fp32 copies of the output layer's weight and input that its backward keeps."""
     h, rb = size.hidden, residual_bytes or element_bytes
     if size.q_width:
         split = 4 * size.q_width + 3 * size.kv_width + \
@@ -223,6 +224,8 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
 
     logits = tokens * size.vocab / tp
     temporaries = 0 if fused else 2 * 4 * min(logits, CHUNK_ELEMENTS)
+    if fp32_head:
+        return int(per_layer), int(2 * 4 * logits + temporaries + 4 * (size.vocab / tp + tokens) * h)
     return int(per_layer), int(2 * element_bytes * logits + temporaries)
 
 
@@ -254,7 +257,8 @@ def plan_memory(model: ModelConfig, a: ActorConfig, r: EngineSettings, layout: L
     tokens = max(a.micro_batch_tokens, row_tokens) if a.micro_batch_tokens else row_tokens * a.micro_batch_size
     layers = size.layers / pp
     rb = 4 if kernels.fp32_residual else pb
-    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb, kernels.logprobs == "fused")
+    per_layer, head = activation_bytes(size, tokens, tp, pb, a.sequence_parallel, rb, kernels.logprobs == "fused",
+                                       model.head_dtype == "float32")
     act = (layers * rb * tokens * size.hidden + per_layer) if a.recompute else layers * per_layer
     # x1.15 for the backward's temporaries and the allocator's fragmentation, calibrated on the
     # caching allocator's peak against the saved tensors of the same step (docs/lab/performance_log.md,

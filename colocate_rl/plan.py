@@ -202,6 +202,9 @@ def check_exact(cfg: Config) -> None:
     if cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"rollout.exact=true needs model.dtype=bfloat16 or float16, not {cfg.model.dtype}: "
                           "both sides run FlashAttention 3, which has no float32 kernels")
+    if cfg.model.head_dtype != "model":
+        raise ConfigError("rollout.exact=true computes the output layer as vLLM's model dtype does: "
+                          "leave model.head_dtype=model")
     if r.top_p < 1 or r.top_k > 0:
         field = f"rollout.top_p={r.top_p}" if r.top_p < 1 else f"rollout.top_k={r.top_k}"
         raise ConfigError(f"rollout.exact=true samples the whole distribution: {field} truncates it with vLLM's "
@@ -235,6 +238,9 @@ def check_rules(cfg: Config, lay: Layout, launcher: str) -> None:
     if r.backend == "transformers" and launcher != "local":
         raise ConfigError("rollout.backend=transformers samples in the actor's own process: it needs "
                           "placement.mode=colocated with a world of one (placement.launcher local or auto)")
+    if cfg.model.head_dtype == "float32" and r.backend != "vllm":
+        raise ConfigError(f"model.head_dtype=float32 sets vLLM's head_dtype: the {r.backend} sampler computes "
+                          "its logits in the model dtype (leave model.head_dtype=model)")
 
 
 def check_partial(cfg: Config) -> None:

@@ -18,9 +18,11 @@ def te_available() -> bool:
     return bool(HAVE_TE)
 
 
-def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None, exact: bool = False):
+def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None, exact: bool = False,
+                fp32_head: bool = False):
     """This pipeline stage's model: the family's own builder, else a GPTModel (embedding on the first
-    stage, output on the last). ``exact``: the family's exact spec (rollout.exact, models/exact.py)."""
+    stage, output on the last). ``exact``: the family's exact spec (rollout.exact, models/exact.py);
+    ``fp32_head``: fp32 logits (model.head_dtype=float32, see fp32_output_layer)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -40,11 +42,29 @@ def build_model(family: Family, hf: dict, config, use_te: Optional[bool] = None,
             post_process=ps.is_pipeline_last_stage(),
             **family.model_kwargs(hf),
         )
+    if fp32_head:
+        fp32_output_layer(model)
     if platform.has_gpu():
         # Some modules create parameters on the host whatever the config says (the MoE router
         # moves its weight lazily at its first forward, after the optimizer has wrapped it).
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def fp32_output_layer(model) -> None:
+    """The last stage's output layer multiplies fp32 copies of its input and weight: fp32 sums of the
+    16-bit products, as vLLM's head_dtype=float32 computes its logits. Gradients flow back through the
+    casts to the 16-bit weight (tied or not) and hidden states."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    forward = layer.forward
+
+    def fp32_forward(input_, weight=None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight
+        return forward(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = fp32_forward
 
 
 def build_and_load(path: str | Path, params_dtype: torch.dtype, use_te: Optional[bool] = None, **runtime):

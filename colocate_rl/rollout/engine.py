@@ -226,6 +226,8 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
         # R3: every completion carries the experts each of its tokens went to (vLLM >= 0.26 on
         # GPUs; it runs such an engine on its V1 model runner).
         kwargs["enable_return_routed_experts"] = True
+    if model.head_dtype == "float32":
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}  # the lm_head accumulates into fp32 logits
     if r.weight_quantization == "fp8" and not quantized_checkpoint:
         kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
     kwargs.update(r.engine_kwargs)

@@ -89,6 +89,7 @@ class Actor:
         self.family = family_for(self.hf_config)
         self._exact_v2 = exact_samples_on_v2(self.hf_config, resolved.routing_replay)
         self.dtype = DTYPES[model.dtype]
+        self.fp32_head = model.head_dtype == "float32"
         # The layout was validated with the run's plan (colocate_rl.plan) before any process started.
         self.rank, world = init_process_group()
         self.dp = world // (a.tp * a.pp)
@@ -111,7 +112,7 @@ class Actor:
             fp32_residual_connection=kernels.fp32_residual,
             **recompute,
         )
-        module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact)
+        module = build_model(self.family, self.hf_config, self.model_config, exact=self.exact, fp32_head=self.fp32_head)
         for m in module.modules():  # actor.norm_kernel (models/norm.py; exact mode stops at config time)
             if isinstance(m, RMSNorm):
                 m.fused = kernels.norms == "fused"
@@ -222,7 +223,7 @@ class Actor:
         config, which the hooks (bound to the DDP and its process groups) cannot survive."""
         config = copy.copy(self.model_config)
         config.no_sync_func = config.finalize_model_grads_func = config.grad_scale_func = None
-        return build_model(self.family, self.hf_config, config, exact=self.exact)
+        return build_model(self.family, self.hf_config, config, exact=self.exact, fp32_head=self.fp32_head)
 
     # ------------------------------------------------------------ forward / backward plumbing
 

@@ -57,6 +57,7 @@ def test_missing_required():
 
 def test_bad_choice():
     assert "algorithm.loss_agg" in err(["algorithm.loss_agg=sum"])
+    assert "model.head_dtype" in err(["model.head_dtype=bfloat16"])
 
 
 def test_nonpositive():

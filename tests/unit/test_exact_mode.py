@@ -39,6 +39,7 @@ def test_exact_stops_in_one_line_where_it_cannot_be_exact():
     one_line(lambda: plan.resolve(cfg(**{"actor.fp32_residual": "true"})), "leave actor.fp32_residual unset or false")
     one_line(lambda: plan.resolve(cfg(**{"actor.logprob_kernel": "fused"})), "unset actor.logprob_kernel=fused")
     one_line(lambda: plan.resolve(cfg(**{"actor.norm_kernel": "fused"})), "unset actor.norm_kernel=fused")
+    one_line(lambda: plan.resolve(cfg(**{"model.head_dtype": "float32"})), "leave model.head_dtype=model")
     # FlashAttention 3 has no float32 kernels (the tiny CPU recipe's dtype).
     one_line(lambda: plan.resolve(cfg(**{"model.dtype": "float32"})), "needs model.dtype=bfloat16 or float16, not float32")
     # vLLM's GPU top-k/top-p kernel is not replayed bit for bit.

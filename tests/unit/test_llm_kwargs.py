@@ -40,6 +40,8 @@ def test_each_setting_reaches_the_engine():
     cpu = kwargs("rollout.kv_cache_memory_mb=64", on_cpu=True)
     assert cpu["kv_cache_memory_bytes"] == 64 * 2**20 and "enable_sleep_mode" not in cpu
     assert kwargs("rollout.kv_cache_memory_mb=64")["kv_cache_memory_bytes"] == 64 * 2**20
+    assert "hf_overrides" not in base
+    assert kwargs("model.head_dtype=float32")["hf_overrides"] == {"head_dtype": "float32"}
 
 
 def test_user_engine_kwargs_come_last():

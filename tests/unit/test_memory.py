@@ -4,7 +4,7 @@ the plans of real models at their published sizes (from their configs alone)."""
 import pytest
 
 from colocate_rl.config import Config, ModelConfig, load
-from colocate_rl.memory import IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine
+from colocate_rl.memory import IllegalTransition, MemoryOverflow, MemoryPlan, Phase, PhaseMachine, activation_bytes
 from colocate_rl.models.registry import model_size
 from colocate_rl.models.tiny import known_config
 from colocate_rl.plan import resolve
@@ -277,3 +277,15 @@ def test_a_plan_that_fits_only_with_host_adam_says_so():
     assert problems("h100", **{"actor.optimizer_cpu_offload": True}) == []
     hopeless, = problems("h100", **{"rollout.gpu_memory_utilization": 0.9})
     assert "optimizer_cpu_offload" not in hopeless, hopeless
+
+
+def test_fp32_head_counts_fp32_logits_and_the_weight_copy():
+    """model.head_dtype=float32: the head's share of the activations holds fp32 logits and their
+    gradient (twice the bf16 ones) and the fp32 copies of the output weight and its input."""
+    size = model_size(known_config("Qwen/Qwen3-0.6B"))
+    tokens = 64 * 22
+    _, bf16 = activation_bytes(size, tokens, fused=True)
+    _, fp32 = activation_bytes(size, tokens, fused=True, fp32_head=True)
+    assert fp32 - bf16 == 2 * 2 * tokens * size.vocab + 4 * (size.vocab + tokens) * size.hidden
+    assert _plan("Qwen/Qwen3-0.6B", "h200", **{"model.head_dtype": "float32"}).parts["activations"] > \
+        _plan("Qwen/Qwen3-0.6B", "h200").parts["activations"]
