@@ -230,7 +230,10 @@ def llm_kwargs(model: ModelConfig, r: EngineSettings, sampling: Sampling, resolv
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # the lm_head accumulates into fp32 logits
     if r.weight_quantization == "fp8" and not quantized_checkpoint:
         kwargs["quantization"] = "fp8"  # vLLM quantizes the bf16 checkpoint (and every sync) itself
-    kwargs.update(r.engine_kwargs)
+    user = dict(r.engine_kwargs)
+    if "hf_overrides" in user and "hf_overrides" in kwargs:  # a user's own overrides keep the head's
+        user["hf_overrides"] = {**kwargs["hf_overrides"], **user["hf_overrides"]}
+    kwargs.update(user)
     return kwargs
 
 

@@ -48,6 +48,8 @@ def test_user_engine_kwargs_come_last():
     k = kwargs("rollout.exact=true", "rollout.engine_kwargs={enforce_eager: true, max_num_seqs: 7}")
     assert k["enforce_eager"] is True and k["max_num_seqs"] == 7
     assert kwargs("rollout.engine_kwargs={use_tqdm_on_load: true}")["use_tqdm_on_load"] is True
+    both = kwargs("model.head_dtype=float32", "rollout.engine_kwargs={hf_overrides: {rope_theta: 5}}")
+    assert both["hf_overrides"] == {"head_dtype": "float32", "rope_theta": 5}
 
 
 def test_the_engine_loads_quietly_unless_logging_is_verbose():
