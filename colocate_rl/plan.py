@@ -399,15 +399,6 @@ def _model_size(hf: dict) -> ModelSize:
 # ---------------------------------------------------------------- the actor's kernels
 
 
-def host_adam_hint(alt: MemoryPlan) -> str:
-    """What a does-not-fit line offers to set: '; actor.optimizer_cpu_offload=true fits ...' where
-    ``alt``, the plan with Adam's state on the host, fits ('' otherwise)."""
-    if alt.overflow() is not None:
-        return ""
-    return (f"; actor.optimizer_cpu_offload=true fits (Adam's state in host memory: "
-            f"{alt.host_per_node / GiB:.0f} GiB a node)")
-
-
 def kernels(cfg: Config, lay: Layout, hf: dict, size: Optional[ModelSize], launcher: str) -> tuple[Kernels, str]:
     """actor.fp32_residual and the actor.*_kernel settings resolved for this run, and why the experts
     run one by one where auto would have grouped them ('' otherwise)."""
@@ -468,6 +459,15 @@ def run_name(cfg: Config) -> str:
     """logging.run_name, or <recipe>-<preset>-<time> (the run folder's name; the supervisor passes it
     on to every attempt)."""
     return cfg.logging.run_name or f"{cfg.recipe or 'run'}-{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def host_adam_hint(alt: MemoryPlan) -> str:
+    """What a does-not-fit line offers to set: '; actor.optimizer_cpu_offload=true fits ...' where
+    ``alt``, the plan with Adam's state on the host, fits ('' otherwise)."""
+    if alt.overflow() is not None:
+        return ""
+    return (f"; actor.optimizer_cpu_offload=true fits (Adam's state in host memory: "
+            f"{alt.host_per_node / GiB:.0f} GiB a node)")
 
 
 def resolve(cfg: Config, strict: bool = True) -> RunPlan:

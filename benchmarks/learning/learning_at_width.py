@@ -14,9 +14,9 @@ stages that each pick from the one before, so the whole search fits a few comman
 
 Each seed gets its own random weights (model.path per seed, written once before the runs start).
 ``--state`` holds every run's folder and ``results.json``: each run's command, exit code (a run
-that failed is run again by the next command), wall time, its steps' metrics (recipe_runs.py's rows: gap, phases, sync) and its held-out accuracy per
-eval, plus what each stage picked. A stage reads the folder, so the stages can run in separate
-commands on the same machine.
+that failed is run again by the next command), wall time, its steps' metrics (recipe_runs.py's
+rows: gap, phases, sync) and its held-out accuracy per eval, plus what each stage picked. A stage
+reads the folder, so the stages can run in separate commands on the same machine.
 """
 
 from __future__ import annotations
