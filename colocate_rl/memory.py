@@ -224,9 +224,9 @@ def activation_bytes(size, tokens: int, tp: int = 1, element_bytes: int = 2,
 
     logits = tokens * size.vocab / tp
     temporaries = 0 if fused else 2 * 4 * min(logits, CHUNK_ELEMENTS)
-    if fp32_head:
-        return int(per_layer), int(2 * 4 * logits + temporaries + 4 * (size.vocab / tp + tokens) * h)
-    return int(per_layer), int(2 * element_bytes * logits + temporaries)
+    logit_bytes = 4 if fp32_head else element_bytes
+    copies = 4 * (size.vocab / tp + tokens) * h if fp32_head else 0  # the output weight and its input in fp32
+    return int(per_layer), int(2 * logit_bytes * logits + temporaries + copies)
 
 
 def plan_memory(model: ModelConfig, a: ActorConfig, r: EngineSettings, layout: Layout, size, capacity: int,
